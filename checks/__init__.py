@@ -1,0 +1,1 @@
+"""Quality gates run by `ddtree-deploy check` (one module per gate, a registry the CLI iterates)."""

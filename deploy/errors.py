@@ -1,0 +1,71 @@
+"""Errors with documented exit codes. The CLI maps each to its code; nothing else calls sys.exit.
+
+Exit codes (also in README.md):
+  0  success
+  1  a quality gate failed, or a deploy failed (and was rolled back), or a health check failed
+  2  usage or configuration error: bad inventory, bad series file, missing file, bad argument
+  3  a patch does not apply with zero fuzz (the message names patch, file and hunk)
+  4  snapshot integrity: a snapshot file differs from its manifest
+  5  remote unreachable: connection, authentication or host-key verification failed
+  6  remote refused the deploy: version mismatch, drifted files without --force, lock held,
+     not enough disk
+  7  automatic rollback failed: the host needs attention (the report says what is where)
+"""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_PATCH = 3
+EXIT_SNAPSHOT = 4
+EXIT_UNREACHABLE = 5
+EXIT_REFUSED = 6
+EXIT_ROLLBACK_FAILED = 7
+
+
+class DDTreeDeployError(Exception):
+    """Base class: a clear one-line message and the exit code the CLI returns."""
+
+    exit_code = EXIT_FAILED
+
+    def __init__(self, message: str, *, detail: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.detail = detail
+
+
+class UsageError(DDTreeDeployError):
+    exit_code = EXIT_USAGE
+
+
+class ConfigError(DDTreeDeployError):
+    exit_code = EXIT_USAGE
+
+
+class PatchApplyError(DDTreeDeployError):
+    exit_code = EXIT_PATCH
+
+
+class SnapshotError(DDTreeDeployError):
+    exit_code = EXIT_SNAPSHOT
+
+
+class GateFailed(DDTreeDeployError):
+    exit_code = EXIT_FAILED
+
+
+class RemoteUnreachable(DDTreeDeployError):
+    exit_code = EXIT_UNREACHABLE
+
+
+class RemoteRefused(DDTreeDeployError):
+    exit_code = EXIT_REFUSED
+
+
+class DeployFailed(DDTreeDeployError):
+    exit_code = EXIT_FAILED
+
+
+class RollbackFailed(DDTreeDeployError):
+    exit_code = EXIT_ROLLBACK_FAILED
