@@ -1,0 +1,56 @@
+# ddtree-deploy: everyday commands. `make setup patch` then `make test`.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+CLI := $(VENV)/bin/ddtree-deploy
+HOST ?=
+TO ?=
+
+.PHONY: setup patch check test test-gpu series push plan status rollback bench clean help
+
+help:
+	@echo "make setup      create $(VENV) and install the project, its tests and the SGLang test environment"
+	@echo "make patch      build build/sglang-<ver>/ from snapshot + patches and run the quality gates"
+	@echo "make check      run the quality gates on the current build"
+	@echo "make test       run the test suite"
+	@echo "make push HOST=ct200 | make plan HOST=ct200 | make status HOST=ct200 | make rollback HOST=ct200 [TO=<release>|pristine]"
+
+setup:
+	scripts/setup_env.sh $(VENV)
+
+patch:
+	$(CLI) patch
+
+check:
+	$(CLI) check
+
+series:
+	$(CLI) series
+
+test:
+	$(PY) -m pytest -q tests
+
+test-gpu:
+	$(PY) -m pytest -q -m gpu tests/gpu
+
+push:
+	@test -n "$(HOST)" || { echo "usage: make push HOST=<name>" >&2; exit 2; }
+	$(CLI) push $(HOST)
+
+plan:
+	@test -n "$(HOST)" || { echo "usage: make plan HOST=<name>" >&2; exit 2; }
+	$(CLI) plan $(HOST)
+
+status:
+	@test -n "$(HOST)" || { echo "usage: make status HOST=<name>" >&2; exit 2; }
+	$(CLI) status $(HOST)
+
+rollback:
+	@test -n "$(HOST)" || { echo "usage: make rollback HOST=<name> [TO=<release>|pristine]" >&2; exit 2; }
+	$(CLI) rollback $(HOST) $(if $(TO),--to $(TO),)
+
+bench:
+	$(PY) bench/tree_build.py
+
+clean:
+	rm -rf build

@@ -1,0 +1,122 @@
+"""The build manifest: the contract between `ddtree-deploy patch` (writer) and the deploy
+machinery (reader). One JSON file, `BUILD-MANIFEST.json`, at the top of `build/sglang-<ver>/`.
+
+Paths are relative to the installed `sglang/` package directory (e.g. `srt/server_args.py`).
+
+Schema (version 1):
+{
+  "schema": 1,
+  "sglang_version": "0.5.13.post1",
+  "build_id": "<first 16 hex of sha256 over the sorted (path, sha256) list>",
+  "series_sha256": "<sha256 of patches/series plus every patch file, in series order>",
+  "snapshot_manifest_sha256": "<sha256 of the snapshot manifest file>",
+  "patches": ["0001-....patch", ...],
+  "files": {
+     "<relpath>": {"sha256": "<hex>", "size": N, "pristine_sha256": "<hex>" | null}
+  }
+}
+`pristine_sha256` is the upstream file's hash (from the snapshot manifest); null means the file
+is added by the build (e.g. srt/speculative/ddtree_utils.py) and is absent upstream.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from deploy.errors import ConfigError
+
+MANIFEST_NAME = "BUILD-MANIFEST.json"
+SCHEMA = 1
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class BuildFile:
+    relpath: str
+    sha256: str
+    size: int
+    pristine_sha256: str | None  # None: added by the build, absent upstream
+
+
+@dataclass
+class BuildInfo:
+    root: Path
+    sglang_version: str
+    build_id: str
+    series_sha256: str
+    snapshot_manifest_sha256: str
+    patches: list[str]
+    files: dict[str, BuildFile] = field(default_factory=dict)
+
+    def path_of(self, relpath: str) -> Path:
+        return self.root / relpath
+
+    def to_json(self) -> dict:
+        return {
+            "schema": SCHEMA,
+            "sglang_version": self.sglang_version,
+            "build_id": self.build_id,
+            "series_sha256": self.series_sha256,
+            "snapshot_manifest_sha256": self.snapshot_manifest_sha256,
+            "patches": list(self.patches),
+            "files": {
+                p: {"sha256": f.sha256, "size": f.size, "pristine_sha256": f.pristine_sha256}
+                for p, f in sorted(self.files.items())
+            },
+        }
+
+
+def compute_build_id(files: dict[str, str]) -> str:
+    """files: relpath -> sha256. Stable over ordering."""
+    h = hashlib.sha256()
+    for p in sorted(files):
+        h.update(f"{p}\0{files[p]}\n".encode())
+    return h.hexdigest()[:16]
+
+
+def load_build(root: Path) -> BuildInfo:
+    """Load and verify a build directory: every listed file exists with its recorded hash."""
+    root = Path(root)
+    mpath = root / MANIFEST_NAME
+    if not mpath.is_file():
+        raise ConfigError(f"no build at {root} ({MANIFEST_NAME} missing): run `ddtree-deploy patch` first")
+    try:
+        data = json.loads(mpath.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{mpath}: not valid JSON ({exc})") from exc
+    if data.get("schema") != SCHEMA:
+        raise ConfigError(f"{mpath}: unsupported schema {data.get('schema')!r} (expected {SCHEMA})")
+    files = {
+        p: BuildFile(p, d["sha256"], int(d["size"]), d.get("pristine_sha256"))
+        for p, d in data["files"].items()
+    }
+    info = BuildInfo(
+        root=root,
+        sglang_version=data["sglang_version"],
+        build_id=data["build_id"],
+        series_sha256=data["series_sha256"],
+        snapshot_manifest_sha256=data["snapshot_manifest_sha256"],
+        patches=list(data.get("patches", [])),
+        files=files,
+    )
+    for f in files.values():
+        fp = root / f.relpath
+        if not fp.is_file():
+            raise ConfigError(f"build {root} is incomplete: {f.relpath} missing")
+        if sha256_file(fp) != f.sha256:
+            raise ConfigError(f"build {root} was modified after it was made: {f.relpath} differs from {MANIFEST_NAME}")
+    return info
