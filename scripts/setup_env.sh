@@ -9,8 +9,9 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 PIP="$VENV/bin/pip"
 "$PIP" install -q --upgrade pip >/dev/null
-# torch first: the CPU build that lies on this kind of machine's disk.
-"$PIP" install -q "torch==2.13.0"
+# torch + a real torchvision (SGLang imports torchvision at start). torch 2.14.1 / torchvision 0.29.1
+# are the CUDA builds that lie on this kind of machine's local package store; they run on the CPU.
+"$PIP" install -q "torch==2.14.1" "torchvision==0.29.1"
 "$PIP" install -q -e ".[test]"
 # The real sglang==0.5.13.post1 test environment (patch-series tests), when its script exists.
 if [ -x scripts/install_sglang_env.sh ]; then
