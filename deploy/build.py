@@ -1,0 +1,155 @@
+"""`ddtree-deploy patch`: snapshot + series + ddtree_utils.py -> build/sglang-<version>/.
+
+The tree is assembled in a temporary sibling directory and renamed into place only when every
+step succeeded, so `build/` never holds a half-applied tree. The output is byte-deterministic.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from deploy import snapshot as snap
+from deploy.buildinfo import MANIFEST_NAME, BuildFile, BuildInfo, compute_build_id, sha256_file
+from deploy.errors import ConfigError
+from deploy.series import SHIPPED_UTILS, Entry, Series, apply_series, check_header, load_series, patch_files
+
+REPO_ROOT = snap.REPO_ROOT
+PATCHES_DIR = REPO_ROOT / "patches"
+BUILD_ROOT = REPO_ROOT / "build"
+DDTREE_UTILS = REPO_ROOT / "ddtree_utils.py"
+
+
+@dataclass
+class Inputs:
+    """Where a build reads from and writes to (the repository's directories by default)."""
+
+    snapshot_dir: Path = field(default_factory=lambda: snap.snapshot_dir_for(snap.PINNED_VERSION))
+    patches_dir: Path = PATCHES_DIR
+    build_root: Path = BUILD_ROOT
+    ddtree_utils: Path = DDTREE_UTILS
+
+    def build_dir(self, version: str) -> Path:
+        return Path(self.build_root) / f"sglang-{version}"
+
+
+@dataclass
+class Prepared:
+    """Validated inputs: snapshot manifest, parsed series."""
+
+    inputs: Inputs
+    manifest: snap.Manifest
+    series: Series
+
+    @property
+    def version(self) -> str:
+        return self.manifest.sglang_version
+
+    @property
+    def build_dir(self) -> Path:
+        return self.inputs.build_dir(self.version)
+
+
+def prepare(inputs: Inputs) -> Prepared:
+    """Verify the snapshot (exit 4), parse the series and check every header (exit 2)."""
+    manifest = snap.verify(inputs.snapshot_dir)
+    series = load_series(inputs.patches_dir)
+    for e in series.entries:
+        check_header(e.path)
+        for change in patch_files(e.path):
+            if change.deleted:
+                raise ConfigError(f"{e.path}: deletes {change.path}; the series may add or change files, not delete them")
+    if not Path(inputs.ddtree_utils).is_file():
+        raise ConfigError(f"{inputs.ddtree_utils}: missing (it is shipped as {SHIPPED_UTILS})")
+    return Prepared(inputs, manifest, series)
+
+
+def copy_snapshot(p: Prepared, dest: Path) -> None:
+    for rel in sorted(p.manifest.files):
+        target = Path(dest) / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(Path(p.inputs.snapshot_dir) / rel, target)
+
+
+def assemble(p: Prepared, dest: Path, *, entries: list[Entry] | None = None, allow_offset: bool = True,
+             with_utils: bool = True, on_patch: Callable[[Entry], None] | None = None) -> list[str]:
+    """Write snapshot files into `dest` and apply `entries` (default: the whole series) in order.
+    Returns offset warnings. `dest` must exist and be empty."""
+    copy_snapshot(p, dest)
+    warnings = apply_series(dest, p.series.entries if entries is None else entries,
+                            allow_offset=allow_offset, on_patch=on_patch)
+    if with_utils:
+        target = Path(dest) / SHIPPED_UTILS
+        if target.exists():
+            raise ConfigError(f"{SHIPPED_UTILS} already exists after the series; it must come only from {p.inputs.ddtree_utils}")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(p.inputs.ddtree_utils, target)
+    return warnings
+
+
+def tree_files(root: Path) -> list[str]:
+    root = Path(root)
+    return sorted(q.relative_to(root).as_posix() for q in root.rglob("*") if q.is_file() and q.name != MANIFEST_NAME)
+
+
+def describe(p: Prepared, root: Path) -> BuildInfo:
+    """The BuildInfo of an assembled tree (hashes every file; modes normalised to 0644)."""
+    files = {}
+    for rel in tree_files(root):
+        path = Path(root) / rel
+        os.chmod(path, 0o644)
+        files[rel] = BuildFile(rel, sha256_file(path), path.stat().st_size, p.manifest.files.get(rel))
+    return BuildInfo(
+        root=Path(root),
+        sglang_version=p.version,
+        build_id=compute_build_id({r: f.sha256 for r, f in files.items()}),
+        series_sha256=p.series.sha256(),
+        snapshot_manifest_sha256=snap.manifest_sha256(p.inputs.snapshot_dir),
+        patches=p.series.names,
+        files=files,
+    )
+
+
+def write_manifest(info: BuildInfo) -> None:
+    (info.root / MANIFEST_NAME).write_text(json.dumps(info.to_json(), indent=2, sort_keys=True) + "\n")
+
+
+@dataclass
+class BuildResult:
+    info: BuildInfo
+    warnings: list[str]
+    replaced: bool  # an older build was replaced
+
+
+def build(inputs: Inputs, *, on_patch: Callable[[Entry], None] | None = None) -> BuildResult:
+    """Build `build/sglang-<version>/` from scratch; on any error `build/` is left as it was."""
+    p = prepare(inputs)
+    final = p.build_dir
+    Path(inputs.build_root).mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=inputs.build_root))
+    old = None
+    try:
+        warnings = assemble(p, tmp, on_patch=on_patch)
+        info = describe(p, tmp)
+        write_manifest(info)
+        os.chmod(tmp, 0o755)
+        replaced = final.exists()
+        if replaced:
+            old = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=inputs.build_root))
+            os.rename(final, old / final.name)
+        os.rename(tmp, final)
+    except BaseException:
+        if old is not None and not final.exists():
+            os.rename(old / final.name, final)  # put the previous build back
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    info.root = final
+    return BuildResult(info, warnings, replaced)
