@@ -1,0 +1,738 @@
+"""DDTree core: draft top-k, exact draft-tree construction, tree compilation, reference verification.
+
+Depends only on torch and the standard library. Shipped verbatim into SGLang as
+``sglang/srt/speculative/ddtree_utils.py``.
+
+Vocabulary used throughout (shapes are documented per function):
+
+* ``bs`` requests, ``L`` draft positions (block_size - 1), ``K`` top-k per position, ``V`` vocab.
+* ``B`` = budget = number of draft nodes; ``N = B + 1`` verify tokens per request.
+* A *verify index* is a node's row inside a request's verify block: 0 is the root (the bonus
+  token from the previous round), draft node ``j`` (0-based, in output order) has index ``j + 1``.
+* A *prefix* is a path ``(r_1, ..., r_d)`` of per-depth ranks into the top-k lists; its token at
+  depth ``i`` is ``topk_ids[:, i-1, r_i]`` and its score is ``log q(prefix)``, accumulated in
+  float32 left to right: ``s_1 = lp[0, r_1]``, ``s_i = s_{i-1} + lp[i-1, r_i]``.
+
+Tie rule (both builders follow it bit for bit): prefixes are ordered by
+
+    (score descending, depth ascending, rank tuple lexicographically ascending)
+
+and the tree is the first ``B`` prefixes in that order whose score is finite; output nodes are
+listed in that order. Ancestors always precede descendants (an ancestor's score is >= and its
+depth is smaller), also when probabilities are exactly 1. Zero-probability prefixes (score
+``-inf``) do not exist: the corresponding output slots have ``node_valid = False``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import struct
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "AcceptPlan",
+    "CompiledTree",
+    "DDTree",
+    "accept_plan",
+    "build_tree",
+    "build_tree_reference",
+    "compile_tree",
+    "draft_topk_logprobs",
+    "merge_shard_topk",
+    "shard_topk_stats",
+    "target_probs_from_logits",
+    "tree_arrays_from_parents",
+    "tree_custom_mask",
+    "tree_metrics",
+    "verify_greedy_reference",
+    "verify_sampling_reference",
+]
+
+_NEG_INF = float("-inf")
+_LOW32 = 0xFFFFFFFF
+_MAG31 = 0x7FFFFFFF
+
+
+# ----------------------------------------------------------------------------------------------
+# Draft top-k with full-vocabulary log-probabilities
+# ----------------------------------------------------------------------------------------------
+
+
+def _chunked_logsumexp(logits: Tensor, chunk_size: int) -> Tensor:
+    """float32 logsumexp over the last dim, reading ``chunk_size`` columns at a time.
+
+    Memory stays at ``rows * chunk_size`` float32 temporaries. Rows of all ``-inf`` give ``-inf``;
+    NaN propagates; ``+inf`` gives ``+inf``.
+    """
+    vocab = logits.shape[-1]
+    parts = []
+    for start in range(0, vocab, chunk_size):
+        chunk = logits[..., start : start + chunk_size].float()
+        peak = chunk.amax(dim=-1, keepdim=True)
+        shift = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
+        total = (chunk - shift).exp_().sum(dim=-1, keepdim=True)
+        parts.append(shift + total.log_())
+    if len(parts) == 1:
+        return parts[0].squeeze(-1)
+    stacked = torch.cat(parts, dim=-1)
+    peak = stacked.amax(dim=-1, keepdim=True)
+    shift = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
+    return (shift + (stacked - shift).exp().sum(dim=-1, keepdim=True).log()).squeeze(-1)
+
+
+def _check_lse(lse: Tensor) -> None:
+    """Raise ValueError when a row's normaliser is NaN or +inf (NaN / +inf logits). Host sync."""
+    bad = ~(lse < math.inf) & ~(lse == _NEG_INF)
+    if bool(bad.any()):
+        rows = bad.reshape(-1).nonzero()[:3].flatten().tolist()
+        raise ValueError(f"draft logits contain NaN or +inf (flat rows {rows}); cannot build a tree")
+
+
+def _logp_from(vals: Tensor, lse: Tensor) -> Tensor:
+    """log-probabilities ``vals - lse`` with -inf rows kept at -inf and -0.0 normalised to +0.0."""
+    logp = vals.float() - lse.unsqueeze(-1)
+    logp = torch.where(torch.isneginf(vals) | torch.isneginf(lse).unsqueeze(-1), _NEG_INF, logp)
+    return logp.clamp_max(0.0) + 0.0
+
+
+def draft_topk_logprobs(
+    logits: Tensor, k: int, *, chunk_size: int = 32768, validate: bool = True
+) -> tuple[Tensor, Tensor]:
+    """Per-position top-k token ids and log-probabilities under the full-vocabulary log-softmax.
+
+    Args:
+        logits: ``[bs, L, V]`` any float dtype (not modified).
+        k: requested top-k; the result has ``K = min(k, V)`` columns.
+        chunk_size: vocabulary columns per logsumexp pass (bounds temporaries).
+        validate: raise ``ValueError`` on NaN/+inf logits (one host sync); pass False inside
+            CUDA graphs.
+
+    Returns:
+        ``(topk_logp [bs, L, K] float32 sorted descending, topk_ids [bs, L, K] int64)``.
+        Rows whose logits are all ``-inf`` get ``-inf`` log-probabilities.
+    """
+    if logits.dim() != 3:
+        raise ValueError(f"logits must be [bs, L, V], got shape {tuple(logits.shape)}")
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    vocab = logits.shape[-1]
+    kk = min(k, vocab)
+    if logits.numel() == 0:
+        shape = (*logits.shape[:2], kk)
+        return (torch.empty(shape, dtype=torch.float32, device=logits.device),
+                torch.empty(shape, dtype=torch.int64, device=logits.device))
+    vals, ids = torch.topk(logits, kk, dim=-1, largest=True, sorted=True)
+    lse = _chunked_logsumexp(logits, chunk_size)
+    if validate:
+        _check_lse(lse)
+    return _logp_from(vals, lse), ids
+
+
+def shard_topk_stats(logits_shard: Tensor, k: int, vocab_offset: int) -> tuple[Tensor, Tensor, Tensor]:
+    """One tensor-parallel rank's share: raw top-k logits, global ids and the shard's logsumexp.
+
+    Args:
+        logits_shard: ``[bs, L, V_s]`` this rank's vocabulary columns.
+        k: requested top-k (``K = min(k, V_s)``; stack shards padded to a common K with -inf).
+        vocab_offset: global id of the shard's first column.
+
+    Returns:
+        ``(vals [bs, L, K] float32, ids [bs, L, K] int64 global, lse [bs, L] float32)``.
+    """
+    kk = min(k, logits_shard.shape[-1])
+    vals, ids = torch.topk(logits_shard, kk, dim=-1, largest=True, sorted=True)
+    lse = _chunked_logsumexp(logits_shard, 32768)
+    return vals.float(), ids + vocab_offset, lse
+
+
+def merge_shard_topk(
+    vals: Tensor, ids: Tensor, lse: Tensor, k: int, *, validate: bool = True
+) -> tuple[Tensor, Tensor]:
+    """Merge stacked per-shard statistics into the full-vocabulary top-k log-probabilities.
+
+    Args:
+        vals, ids: ``[S, bs, L, K_s]`` from :func:`shard_topk_stats` (e.g. after all_gather).
+        lse: ``[S, bs, L]``.
+        k: requested top-k; the result has ``min(k, S * K_s)`` columns.
+
+    Returns the same as :func:`draft_topk_logprobs` on the concatenated vocabulary (up to the
+    order of exactly tied logits).
+    """
+    shards, bs, positions, ks = vals.shape
+    total = _chunked_logsumexp(lse.permute(1, 2, 0), max(shards, 1))
+    if validate and total.numel():
+        _check_lse(total)
+    flat_vals = vals.permute(1, 2, 0, 3).reshape(bs, positions, shards * ks)
+    flat_ids = ids.permute(1, 2, 0, 3).reshape(bs, positions, shards * ks)
+    kk = min(k, shards * ks)
+    top, where = torch.topk(flat_vals, kk, dim=-1, largest=True, sorted=True)
+    return _logp_from(top, total), flat_ids.gather(-1, where)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tree construction
+# ----------------------------------------------------------------------------------------------
+
+
+class DDTree(NamedTuple):
+    """A draft tree per request. Node ``j`` (0..B-1) is verify index ``j + 1``; index 0 = root."""
+
+    tokens: Tensor  # [bs, B] int64 (0 for nonexistent nodes)
+    parents: Tensor  # [bs, B] int64 verify index of the parent (0 = root); parents[b, j] <= j
+    depth: Tensor  # [bs, B] int64 in 1..L (1 for nonexistent nodes)
+    score: Tensor  # [bs, B] float32 log q(prefix); -inf for nonexistent nodes
+    node_valid: Tensor  # [bs, B] bool
+
+
+def _effective_k(topk_logp: Tensor, budget: int, topk_cap: int | None) -> int:
+    """Ranks >= B can never be selected (their B lower-ranked siblings come first)."""
+    kk = min(topk_logp.shape[-1], budget)
+    if topk_cap is not None:
+        if topk_cap < 1:
+            raise ValueError(f"topk_cap must be >= 1, got {topk_cap}")
+        kk = min(kk, topk_cap)
+    return kk
+
+
+def _check_tree_inputs(topk_logp: Tensor, topk_ids: Tensor, budget: int) -> None:
+    if budget < 1:
+        raise ValueError(f"budget must be >= 1, got {budget}")
+    if topk_logp.dim() != 3 or topk_ids.shape != topk_logp.shape:
+        raise ValueError(
+            f"topk_logp and topk_ids must both be [bs, L, K]; got {tuple(topk_logp.shape)} "
+            f"and {tuple(topk_ids.shape)}"
+        )
+    if topk_logp.shape[1] < 1 or topk_logp.shape[2] < 1:
+        raise ValueError(f"need L >= 1 and K >= 1, got shape {tuple(topk_logp.shape)}")
+
+
+def _empty_tree(bs: int, budget: int, device: torch.device) -> DDTree:
+    zeros = torch.zeros(bs, budget, dtype=torch.int64, device=device)
+    return DDTree(
+        tokens=zeros,
+        parents=zeros.clone(),
+        depth=torch.ones_like(zeros),
+        score=torch.full((bs, budget), _NEG_INF, dtype=torch.float32, device=device),
+        node_valid=torch.zeros(bs, budget, dtype=torch.bool, device=device),
+    )
+
+
+def _f32(x: float) -> float:
+    """Round a Python float to float32 (exact emulation of a float32 add of float32 operands)."""
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def build_tree_reference(
+    topk_logp: Tensor,
+    topk_ids: Tensor,
+    budget: int,
+    *,
+    valid: Tensor | None = None,
+    topk_cap: int | None = None,
+) -> DDTree:
+    """The paper's best-first heap, one request at a time on the CPU (the oracle).
+
+    Args:
+        topk_logp: ``[bs, L, K]`` log-probabilities, each row sorted descending, all <= 0.
+        topk_ids: ``[bs, L, K]`` token ids (int32/int64).
+        budget: B, the number of draft nodes (root excluded).
+        valid: optional ``[bs]`` bool; invalid rows get an empty tree.
+        topk_cap: optional per-depth cap on the ranks considered.
+
+    Returns a :class:`DDTree` on the inputs' device. Raises ``ValueError`` on NaN, positive or
+    unsorted log-probabilities.
+    """
+    _check_tree_inputs(topk_logp, topk_ids, budget)
+    bs, depth_limit, _ = topk_logp.shape
+    device = topk_logp.device
+    out = _empty_tree(bs, budget, torch.device("cpu"))
+    if bs == 0:
+        return DDTree(*(t.to(device) for t in out))
+    kk = _effective_k(topk_logp, budget, topk_cap)
+    lp_all = (topk_logp[:, :, :kk].detach().float().cpu() + 0.0)
+    if bool(torch.isnan(lp_all).any()) or bool((lp_all > 0).any()):
+        raise ValueError("topk_logp must hold log-probabilities (no NaN, all <= 0)")
+    if kk > 1 and bool((lp_all[..., 1:] > lp_all[..., :-1]).any()):
+        raise ValueError("topk_logp must be sorted in descending order along the last dim")
+    ids_all = topk_ids[:, :, :kk].detach().to(torch.int64).cpu().tolist()
+    lp_list = lp_all.tolist()
+    rows = [True] * bs if valid is None else valid.detach().cpu().bool().tolist()
+    tokens, parents, depth = out.tokens, out.parents, out.depth
+    score, node_valid = out.score, out.node_valid
+    for b in range(bs):
+        if not rows[b]:
+            continue
+        lp, ids = lp_list[b], ids_all[b]
+        # heap entry: (-score, depth, rank tuple, parent score, parent verify index)
+        heap: list[tuple[float, int, tuple[int, ...], float, int]] = []
+        if lp[0][0] != _NEG_INF:
+            heap.append((-lp[0][0], 1, (0,), 0.0, 0))
+        n = 0
+        while heap and n < budget:
+            neg, d, ranks, base, par = heapq.heappop(heap)
+            s, r = -neg, ranks[-1]
+            tokens[b, n] = ids[d - 1][r]
+            parents[b, n] = par
+            depth[b, n] = d
+            score[b, n] = s
+            node_valid[b, n] = True
+            n += 1
+            if r + 1 < kk:
+                sib = _f32(base + lp[d - 1][r + 1]) if d > 1 else lp[0][r + 1]
+                if sib != _NEG_INF:
+                    heapq.heappush(heap, (-sib, d, ranks[:-1] + (r + 1,), base, par))
+            if d < depth_limit:
+                child = _f32(s + lp[d][0])
+                if child != _NEG_INF:
+                    heapq.heappush(heap, (-child, d + 1, ranks + (0,), s, n))
+    return DDTree(*(t.to(device) for t in out))
+
+
+def _order_key(score: Tensor, tie: Tensor) -> Tensor:
+    """int64 key, ascending = (score descending, tie ascending), for scores <= 0 (incl. -inf).
+
+    For non-positive float32 the magnitude bits grow as the value falls, so the high 32 bits
+    order by score and the low 32 bits carry the tie index (< 2**32).
+    """
+    mag = score.contiguous().view(torch.int32).to(torch.int64) & _MAG31
+    return (mag << 32) | tie
+
+
+def build_tree(
+    topk_logp: Tensor,
+    topk_ids: Tensor,
+    budget: int,
+    *,
+    valid: Tensor | None = None,
+    topk_cap: int | None = None,
+) -> DDTree:
+    """Batched exact DDTree: identical output to :func:`build_tree_reference`.
+
+    No host synchronisation and fixed shapes (all loops run over the static L), so it can be
+    captured in a CUDA graph. Inputs as in :func:`build_tree_reference` (not validated here:
+    NaN or positive log-probabilities give an unspecified tree). Output on the inputs' device.
+
+    Method: a per-depth beam of width B, each beam kept in lexicographic rank-tuple order, then
+    a global top-B over the union of the beams.
+
+    Exactness proof. Let T be the first B finite prefixes in the tie order (score desc, depth
+    asc, ranks lex asc). (i) T is prefix-closed: an ancestor has score >= (log-probs <= 0 and
+    float32 rounding is monotone) and smaller depth, so it precedes its descendants. (ii) Claim:
+    every u in T with depth d lies in beam_d. Depth 1: beam_1 holds the top-B depth-1 prefixes
+    in the tie order restricted to depth 1, and fewer than B prefixes of any depth precede u.
+    Step d > 1: u's parent p is in T by (i), hence in beam_{d-1} by induction, so u is a
+    candidate at depth d. Candidates are ranked by (score desc, flat index asc) where the flat
+    index p_pos * K + r follows the lexicographic order of rank tuples, because beam_{d-1} is
+    stored in that order and a child's rank tuple is its parent's plus r. This is the tie order
+    restricted to depth d; fewer than B depth-d prefixes precede u overall, so fewer than B
+    candidates do, and u is kept. (iii) Hence T is contained in the union of the beams, which
+    is a subset of all prefixes, so T is the top-B of the union in the same order; the final
+    top-B ranks by (score desc, depth asc, beam position asc) = the tie order. Scores are the
+    same float32 left-to-right sums as in the heap, so both builders agree bit for bit.
+    Ranks >= B never matter (B siblings of lower rank precede them), so K is capped at B.
+    """
+    _check_tree_inputs(topk_logp, topk_ids, budget)
+    bs, depth_limit, _ = topk_logp.shape
+    device = topk_logp.device
+    if bs == 0:
+        return _empty_tree(0, budget, device)
+    kk = _effective_k(topk_logp, budget, topk_cap)
+    lp = topk_logp[:, :, :kk].float() + 0.0
+    if valid is not None:
+        lp = torch.where(valid.to(device=device, dtype=torch.bool).view(bs, 1, 1), lp, _NEG_INF)
+    ids = topk_ids[:, :, :kk].to(torch.int64)
+
+    # depth 1: ranks 0..kk-1 already in lexicographic (= rank) order; pad the beam to width B.
+    beam_score = lp[:, 0, :]
+    beam_rank = torch.arange(kk, device=device).expand(bs, kk)
+    if kk < budget:
+        pad = budget - kk
+        beam_score = torch.cat([beam_score, beam_score.new_full((bs, pad), _NEG_INF)], dim=1)
+        beam_rank = torch.cat([beam_rank, beam_rank.new_zeros(bs, pad)], dim=1)
+    beam_parent = torch.zeros(bs, budget, dtype=torch.int64, device=device)
+    scores, ranks, parent_pos = [beam_score], [beam_rank], [beam_parent]
+    flat_index = torch.arange(budget * kk, device=device)
+    for d in range(1, depth_limit):
+        cand = (beam_score.unsqueeze(2) + lp[:, d, :].unsqueeze(1)).reshape(bs, budget * kk)
+        chosen = torch.topk(_order_key(cand, flat_index), budget, dim=1, largest=False, sorted=False)
+        flat = torch.sort(chosen.values & _LOW32, dim=1).values
+        beam_score = cand.gather(1, flat)
+        scores.append(beam_score)
+        ranks.append(flat % kk)
+        parent_pos.append(flat // kk)
+
+    all_score = torch.stack(scores, dim=1).reshape(bs, depth_limit * budget)
+    tie = torch.arange(depth_limit * budget, device=device)
+    sel = torch.topk(_order_key(all_score, tie), budget, dim=1, largest=False, sorted=True).values
+    slot = sel & _LOW32  # d * B + beam position
+    node_score = all_score.gather(1, slot)
+    node_valid = node_score != _NEG_INF
+    node_depth0 = slot // budget
+    rank = torch.stack(ranks, dim=1).reshape(bs, -1).gather(1, slot)
+    ppos = torch.stack(parent_pos, dim=1).reshape(bs, -1).gather(1, slot)
+    token = ids.reshape(bs, -1).gather(1, node_depth0 * kk + rank)
+
+    # verify index of every beam slot that became a node (0 = not a node / root)
+    verify_of_slot = torch.zeros(bs, depth_limit * budget + 1, dtype=torch.int64, device=device)
+    verify_of_slot.scatter_(1, slot, torch.arange(1, budget + 1, device=device).expand(bs, budget))
+    parent_slot = torch.where(node_depth0 > 0, (node_depth0 - 1) * budget + ppos, depth_limit * budget)
+    parent = verify_of_slot.gather(1, parent_slot)
+
+    zero = torch.zeros_like(token)
+    return DDTree(
+        tokens=torch.where(node_valid, token, zero),
+        parents=torch.where(node_valid, parent, zero),
+        depth=torch.where(node_valid, node_depth0 + 1, zero + 1),
+        score=torch.where(node_valid, node_score, _NEG_INF),
+        node_valid=node_valid,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Tree compilation for SGLang's TARGET_VERIFY
+# ----------------------------------------------------------------------------------------------
+
+
+class CompiledTree(NamedTuple):
+    """Verify inputs in SGLang's layout; ``N = B + 1`` tokens per request, root first."""
+
+    draft_tokens: Tensor  # [bs*N] int64
+    positions: Tensor  # [bs*N] int64 = seq_lens[b] + depth
+    custom_mask: Tensor  # flat bool, sum_b N*(seq_lens[b]+N) (empty if not built)
+    retrieve_index: Tensor  # [bs, N] int64 = b*N + i
+    retrieve_next_token: Tensor  # [bs, N] int64 first child's verify index or -1
+    retrieve_next_sibling: Tensor  # [bs, N] int64 next sibling's verify index or -1
+    parents: Tensor  # [bs, N] int64, -1 for the root
+    depth: Tensor  # [bs, N] int64
+    tree_mask: Tensor  # [bs, N, N] bool ancestor-or-self
+
+
+def tree_arrays_from_parents(
+    parents_full: Tensor, node_valid_full: Tensor, max_depth: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Ancestor-or-self mask and first-child / next-sibling arrays from parent pointers.
+
+    Args:
+        parents_full: ``[bs, N]`` int64 parent verify index, -1 for the root; parents precede
+            children.
+        node_valid_full: ``[bs, N]`` bool; invalid nodes are left out of the child/sibling lists
+            (unreachable by a walk) and only see the root and themselves.
+        max_depth: an upper bound on the tree depth (L), for pointer jumping.
+
+    Returns ``(tree_mask [bs,N,N] bool, next_token [bs,N] int64, next_sibling [bs,N] int64)``.
+    Children of a node are listed in verify-index order. No host sync.
+    """
+    bs, n = parents_full.shape
+    device = parents_full.device
+    idx = torch.arange(n, device=device)
+    up = parents_full.clamp_min(0)
+    mask = (idx.view(1, n, 1) == idx.view(1, 1, n)).expand(bs, n, n).clone()
+    reach = 1
+    while reach < max_depth + 1:  # mask[i] = ancestors within distance < 2*reach
+        mask |= mask.gather(1, up.unsqueeze(2).expand(bs, n, n))
+        up = up.gather(1, up)
+        reach *= 2
+    mask[:, :, 0] = True
+
+    live = node_valid_full.clone()
+    live[:, 0] = False  # the root is nobody's child
+    big = n
+    # first child: the smallest verify index among a node's live children
+    child_par = torch.where(live, parents_full, torch.full_like(parents_full, n))
+    first = torch.full((bs, n + 1), big, dtype=torch.int64, device=device)
+    first.scatter_reduce_(1, child_par, idx.expand(bs, n), reduce="amin", include_self=True)
+    next_token = first[:, :n]
+    next_token = torch.where(next_token == big, -1, next_token)
+    # next sibling: sort by (parent, index); consecutive entries with the same parent are siblings
+    order = torch.sort(child_par * (n + 1) + idx, dim=1).values
+    sorted_par, sorted_idx = order // (n + 1), order % (n + 1)
+    same = (sorted_par[:, 1:] == sorted_par[:, :-1]) & (sorted_par[:, 1:] < n)
+    nxt = torch.where(same, sorted_idx[:, 1:], -1)
+    next_sibling = torch.full((bs, n), -1, dtype=torch.int64, device=device)
+    next_sibling.scatter_(1, sorted_idx[:, :-1], nxt)
+    next_sibling = torch.where(live, next_sibling, -1)
+    return mask, next_token, next_sibling
+
+
+def tree_custom_mask(tree_mask: Tensor, seq_lens: Tensor | list[int]) -> Tensor:
+    """SGLang's flat FULL custom mask: per request N rows of ``[True]*seq_len ++ tree_mask row``.
+
+    Args:
+        tree_mask: ``[bs, N, N]`` bool ancestor-or-self.
+        seq_lens: ``[bs]`` prefix lengths; a list or CPU tensor avoids a host sync (a CUDA tensor
+            is copied to the host because the output length depends on it).
+
+    Returns a flat bool tensor of length ``sum_b N * (seq_lens[b] + N)`` on tree_mask's device.
+    """
+    bs, n, _ = tree_mask.shape
+    device = tree_mask.device
+    lens = seq_lens.tolist() if isinstance(seq_lens, Tensor) else list(seq_lens)
+    if len(lens) != bs:
+        raise ValueError(f"seq_lens has {len(lens)} entries for {bs} requests")
+    if bs == 0:
+        return torch.zeros(0, dtype=torch.bool, device=device)
+    row_len = torch.tensor([s + n for s in lens], dtype=torch.int64, device=device)
+    sizes = row_len * n
+    total = int(sum((s + n) * n for s in lens))
+    req = torch.repeat_interleave(torch.arange(bs, device=device), sizes, output_size=total)
+    offset = torch.cumsum(sizes, 0) - sizes
+    local = torch.arange(total, device=device) - offset[req]
+    width = row_len[req]
+    row, col = local // width, local % width
+    prefix = width - n
+    tree_col = (col - prefix).clamp_min(0)
+    return (col < prefix) | tree_mask[req, row, tree_col]
+
+
+def compile_tree(
+    tree: DDTree,
+    bonus_tokens: Tensor,
+    seq_lens: Tensor,
+    *,
+    build_custom_mask: bool = True,
+    seq_lens_cpu: list[int] | Tensor | None = None,
+    max_depth: int | None = None,
+) -> CompiledTree:
+    """Turn a :class:`DDTree` into SGLang verify inputs (see :class:`CompiledTree`).
+
+    Args:
+        tree: from :func:`build_tree` / :func:`build_tree_reference`.
+        bonus_tokens: ``[bs]`` the root token per request.
+        seq_lens: ``[bs]`` committed length per request (the root's position).
+        build_custom_mask: also build the flat FULL mask. Its length depends on ``seq_lens``, so
+            this needs them on the host: pass ``seq_lens_cpu`` to avoid a device sync. Without
+            it nothing here synchronises and ``custom_mask`` is an empty tensor (build it later
+            with :func:`tree_custom_mask`).
+        seq_lens_cpu: host copy of ``seq_lens`` for the custom mask.
+        max_depth: static bound on the tree depth (L); fewer pointer-jumping steps. Default B.
+    """
+    bs, budget = tree.tokens.shape
+    n = budget + 1
+    device = tree.tokens.device
+    root = torch.zeros(bs, 1, dtype=torch.int64, device=device)
+    tokens = torch.cat([bonus_tokens.view(bs, 1).to(device=device, dtype=torch.int64), tree.tokens], 1)
+    depth = torch.cat([root, tree.depth], 1)
+    parents = torch.cat([root - 1, tree.parents], 1)
+    valid = torch.cat([torch.ones(bs, 1, dtype=torch.bool, device=device), tree.node_valid], 1)
+    bound = budget if max_depth is None else min(max_depth, budget)
+    tree_mask, next_token, next_sibling = tree_arrays_from_parents(parents, valid, bound)
+    positions = seq_lens.view(bs, 1).to(device=device, dtype=torch.int64) + depth
+    if build_custom_mask:
+        custom = tree_custom_mask(tree_mask, seq_lens if seq_lens_cpu is None else seq_lens_cpu)
+    else:
+        custom = torch.zeros(0, dtype=torch.bool, device=device)
+    return CompiledTree(
+        draft_tokens=tokens.reshape(-1),
+        positions=positions.reshape(-1),
+        custom_mask=custom,
+        retrieve_index=torch.arange(bs * n, device=device).view(bs, n),
+        retrieve_next_token=next_token,
+        retrieve_next_sibling=next_sibling,
+        parents=parents,
+        depth=depth,
+        tree_mask=tree_mask,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Reference verification (oracle for sgl_kernel, CPU fallback)
+# ----------------------------------------------------------------------------------------------
+
+
+def _walk(
+    candidates: Tensor, next_token: Tensor, next_sibling: Tensor, chosen: Tensor, max_accept: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Follow, from the root, the child whose token equals ``chosen[node]`` (sgl_kernel order)."""
+    bs, _ = candidates.shape
+    device = candidates.device
+    cand = candidates.tolist()
+    first, sib, pick = next_token.tolist(), next_sibling.tolist(), chosen.tolist()
+    accept_index = torch.full((bs, max_accept + 1), -1, dtype=torch.int64)
+    accept_len = torch.zeros(bs, dtype=torch.int64)
+    bonus = torch.zeros(bs, dtype=torch.int64)
+    for b in range(bs):
+        cur, path = 0, [0]
+        for _ in range(max_accept):
+            child = first[b][cur]
+            while child != -1 and cand[b][child] != pick[b][cur]:
+                child = sib[b][child]
+            if child == -1:
+                break
+            cur = child
+            path.append(cur)
+        accept_index[b, : len(path)] = torch.tensor(path)
+        accept_len[b] = len(path) - 1
+        bonus[b] = pick[b][cur]
+    return accept_index.to(device), accept_len.to(device), bonus.to(device)
+
+
+def verify_greedy_reference(
+    candidates: Tensor,
+    next_token: Tensor,
+    next_sibling: Tensor,
+    target_predict: Tensor,
+    max_accept: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Greedy tree walk, the semantics of ``sgl_kernel.verify_tree_greedy``.
+
+    Args:
+        candidates: ``[bs, N]`` verify tokens (root first).
+        next_token / next_sibling: ``[bs, N]`` from :func:`compile_tree`.
+        target_predict: ``[bs, N]`` int64 target argmax at every node.
+        max_accept: the most draft nodes that may be accepted (e.g. L).
+
+    Returns ``(accept_index [bs, max_accept+1] int64 within-request verify indices in path order,
+    root first, -1 padded; accept_len [bs] int64 accepted draft nodes; bonus [bs] int64)``.
+    """
+    return _walk(candidates, next_token, next_sibling, target_predict, max_accept)
+
+
+def verify_sampling_reference(
+    candidates: Tensor,
+    next_token: Tensor,
+    next_sibling: Tensor,
+    target_probs: Tensor,
+    max_accept: int,
+    generator: torch.Generator | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Lossless sampling walk: one target sample per node, followed when it is a child.
+
+    ``target_probs [bs, N, V]`` float32 are the target's (already filtered) distributions at
+    every node. Each visited node's sample is a draw from the target's conditional, and the
+    bonus is the sample at the last accepted node, so the emitted tokens are distributed
+    exactly as target decoding. Returns the same triple as :func:`verify_greedy_reference`.
+    """
+    bs, n = candidates.shape
+    if bs == 0:
+        return _walk(candidates, next_token, next_sibling, candidates, max_accept)
+    probs = target_probs.reshape(bs * n, -1).float()
+    sample = torch.multinomial(probs, 1, generator=generator).view(bs, n)
+    return _walk(candidates, next_token, next_sibling, sample, max_accept)
+
+
+def target_probs_from_logits(
+    logits: Tensor,
+    temperature: Tensor | float,
+    top_k: Tensor | int | None = None,
+    top_p: Tensor | float | None = None,
+) -> Tensor:
+    """Target distributions with temperature, top-k and top-p applied (renormalised).
+
+    Args:
+        logits: ``[bs, N, V]`` (or ``[bs, V]``).
+        temperature: float or ``[bs]``; values <= 1e-5 give a one-hot argmax.
+        top_k: int or ``[bs]``; <= 0 or >= V means no limit.
+        top_p: float or ``[bs]`` in (0, 1]; the smallest prefix of the sorted distribution whose
+            mass reaches top_p is kept (at least one token).
+
+    Returns float32 probabilities of the same shape.
+    """
+    squeeze = logits.dim() == 2
+    x = logits.unsqueeze(1) if squeeze else logits
+    bs, _, vocab = x.shape
+    device = x.device
+
+    def per_req(v: Tensor | float | int | None, fill: float) -> Tensor:
+        if v is None:
+            v = fill
+        t = torch.as_tensor(v, dtype=torch.float32, device=device)
+        return t.expand(bs).reshape(bs, 1, 1) if t.dim() == 0 else t.reshape(bs, 1, 1)
+
+    temp = per_req(temperature, 1.0)
+    greedy = temp <= 1e-5
+    probs = torch.softmax(x.float() / torch.where(greedy, 1.0, temp), dim=-1)
+    order = torch.sort(probs, dim=-1, descending=True)
+    ranks = torch.arange(vocab, device=device).view(1, 1, vocab)
+    kk = per_req(top_k, 0.0)
+    keep = (kk <= 0) | (ranks < kk)
+    pp = per_req(top_p, 1.0)
+    mass_before = torch.cumsum(order.values, dim=-1) - order.values
+    keep &= (mass_before < pp) | (ranks == 0)
+    kept = torch.zeros_like(probs).scatter(-1, order.indices, torch.where(keep, order.values, 0.0))
+    kept = kept / kept.sum(dim=-1, keepdim=True)
+    onehot = torch.zeros_like(probs).scatter(-1, x.argmax(dim=-1, keepdim=True), 1.0)
+    out = torch.where(greedy, onehot, kept)
+    return out.squeeze(1) if squeeze else out
+
+
+# ----------------------------------------------------------------------------------------------
+# Accept plan and metrics
+# ----------------------------------------------------------------------------------------------
+
+
+class AcceptPlan(NamedTuple):
+    """What to keep after verify. Flat rows are ``b*N + i``."""
+
+    keep_slots: Tensor  # [sum(commit_lens)] int64 KV slots kept, path order per request
+    free_mask: Tensor  # [bs*N] bool: slots of out_cache_loc to free
+    hidden_index: Tensor  # [sum(commit_lens)] int64 verify hidden-state rows in path order
+    last_node: Tensor  # [bs] int64 within-request verify index of the last accepted node
+    commit_lens: Tensor  # [bs] int64 = accept_len + 1
+
+
+def accept_plan(
+    accept_index: Tensor, accept_len: Tensor, out_cache_loc: Tensor, *, flat_index: bool = False
+) -> AcceptPlan:
+    """KV keep/free sets and gather indices from the accepted paths.
+
+    Args:
+        accept_index: ``[bs, M]`` accepted verify indices in path order (root first, -1 padded);
+            within-request (0..N-1) as returned by the references, or flat ``b*N + i`` (as
+            ``sgl_kernel.verify_tree_greedy`` writes with ``retrieve_index``) when
+            ``flat_index=True``.
+        accept_len: ``[bs]`` accepted draft nodes.
+        out_cache_loc: ``[bs*N]`` KV slots of the verify tokens.
+
+    ``keep_slots`` / ``hidden_index`` have a data-dependent length (one host sync).
+    """
+    bs, width = accept_index.shape
+    n = out_cache_loc.numel() // bs if bs else 0
+    device = accept_index.device
+    idx = accept_index.to(torch.int64)
+    commit = accept_len.to(device=device, dtype=torch.int64) + 1
+    base = torch.arange(bs, device=device).view(bs, 1) * n
+    within = idx - base if flat_index else idx
+    flat = within + base
+    used = torch.arange(width, device=device).view(1, width) < commit.view(bs, 1)
+    rows = flat[used]
+    free = torch.ones(bs * n, dtype=torch.bool, device=device)
+    free[rows] = False
+    last = within.gather(1, (commit - 1).view(bs, 1)).view(bs) if bs else commit.clone()
+    return AcceptPlan(
+        keep_slots=out_cache_loc.to(device)[rows],
+        free_mask=free,
+        hidden_index=rows,
+        last_node=last,
+        commit_lens=commit,
+    )
+
+
+def tree_metrics(tree: DDTree, accept_len: Tensor | None = None) -> dict:
+    """Debug statistics as Python numbers: tree shape and acceptance (if ``accept_len`` given)."""
+    valid = tree.node_valid.detach().cpu()
+    depth = tree.depth.detach().cpu()
+    bs, _ = valid.shape
+    max_depth = int(depth.max()) if depth.numel() else 0
+    nodes = valid.sum(dim=1)
+    width = [
+        float(((depth == d) & valid).sum()) / bs if bs else 0.0 for d in range(1, max_depth + 1)
+    ]
+    tree_depth = torch.where(valid, depth, 0).amax(dim=1) if bs else torch.zeros(0)
+    out: dict = {
+        "requests": bs,
+        "mean_nodes": float(nodes.float().mean()) if bs else 0.0,
+        "mean_tree_depth": float(tree_depth.float().mean()) if bs else 0.0,
+        "max_tree_depth": int(tree_depth.max()) if bs else 0,
+        "width_per_depth": width,
+    }
+    if accept_len is not None:
+        acc = accept_len.detach().cpu().to(torch.int64)
+        top = max(max_depth, int(acc.max()) if acc.numel() else 0)
+        out["accept_hist"] = torch.bincount(acc, minlength=top + 1).tolist() if acc.numel() else []
+        out["mean_accept_len"] = float(acc.float().mean()) if acc.numel() else 0.0
+        out["mean_tokens_per_step"] = out["mean_accept_len"] + 1.0 if acc.numel() else 0.0
+    return out
