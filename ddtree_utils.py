@@ -89,13 +89,17 @@ def _check_lse(lse: Tensor) -> None:
     bad = ~(lse < math.inf) & ~(lse == _NEG_INF)
     if bool(bad.any()):
         rows = bad.reshape(-1).nonzero()[:3].flatten().tolist()
-        raise ValueError(f"draft logits contain NaN or +inf (flat rows {rows}); cannot build a tree")
+        raise ValueError(
+            f"draft logits contain NaN or +inf (flat rows {rows}); cannot build a tree"
+        )
 
 
 def _logp_from(vals: Tensor, lse: Tensor) -> Tensor:
     """log-probabilities ``vals - lse`` with -inf rows kept at -inf and -0.0 normalised to +0.0."""
     logp = vals.float() - lse.unsqueeze(-1)
-    logp = torch.where(torch.isneginf(vals) | torch.isneginf(lse).unsqueeze(-1), _NEG_INF, logp)
+    logp = torch.where(
+        torch.isneginf(vals) | torch.isneginf(lse).unsqueeze(-1), _NEG_INF, logp
+    )
     return logp.clamp_max(0.0) + 0.0
 
 
@@ -123,8 +127,10 @@ def draft_topk_logprobs(
     kk = min(k, vocab)
     if logits.numel() == 0:
         shape = (*logits.shape[:2], kk)
-        return (torch.empty(shape, dtype=torch.float32, device=logits.device),
-                torch.empty(shape, dtype=torch.int64, device=logits.device))
+        return (
+            torch.empty(shape, dtype=torch.float32, device=logits.device),
+            torch.empty(shape, dtype=torch.int64, device=logits.device),
+        )
     vals, ids = torch.topk(logits, kk, dim=-1, largest=True, sorted=True)
     lse = _chunked_logsumexp(logits, chunk_size)
     if validate:
@@ -132,7 +138,9 @@ def draft_topk_logprobs(
     return _logp_from(vals, lse), ids
 
 
-def shard_topk_stats(logits_shard: Tensor, k: int, vocab_offset: int) -> tuple[Tensor, Tensor, Tensor]:
+def shard_topk_stats(
+    logits_shard: Tensor, k: int, vocab_offset: int
+) -> tuple[Tensor, Tensor, Tensor]:
     """One tensor-parallel rank's share: raw top-k logits, global ids and the shard's logsumexp.
 
     Args:
@@ -253,11 +261,13 @@ def build_tree_reference(
     if bs == 0:
         return DDTree(*(t.to(device) for t in out))
     kk = _effective_k(topk_logp, budget, topk_cap)
-    lp_all = (topk_logp[:, :, :kk].detach().float().cpu() + 0.0)
+    lp_all = topk_logp[:, :, :kk].detach().float().cpu() + 0.0
     if bool(torch.isnan(lp_all).any()) or bool((lp_all > 0).any()):
         raise ValueError("topk_logp must hold log-probabilities (no NaN, all <= 0)")
     if kk > 1 and bool((lp_all[..., 1:] > lp_all[..., :-1]).any()):
-        raise ValueError("topk_logp must be sorted in descending order along the last dim")
+        raise ValueError(
+            "topk_logp must be sorted in descending order along the last dim"
+        )
     ids_all = topk_ids[:, :, :kk].detach().to(torch.int64).cpu().tolist()
     lp_list = lp_all.tolist()
     rows = [True] * bs if valid is None else valid.detach().cpu().bool().tolist()
@@ -343,7 +353,9 @@ def build_tree(
     kk = _effective_k(topk_logp, budget, topk_cap)
     lp = topk_logp[:, :, :kk].float() + 0.0
     if valid is not None:
-        lp = torch.where(valid.to(device=device, dtype=torch.bool).view(bs, 1, 1), lp, _NEG_INF)
+        lp = torch.where(
+            valid.to(device=device, dtype=torch.bool).view(bs, 1, 1), lp, _NEG_INF
+        )
     ids = topk_ids[:, :, :kk].to(torch.int64)
 
     # depth 1: ranks 0..kk-1 already in lexicographic (= rank) order; pad the beam to width B.
@@ -351,14 +363,20 @@ def build_tree(
     beam_rank = torch.arange(kk, device=device).expand(bs, kk)
     if kk < budget:
         pad = budget - kk
-        beam_score = torch.cat([beam_score, beam_score.new_full((bs, pad), _NEG_INF)], dim=1)
+        beam_score = torch.cat(
+            [beam_score, beam_score.new_full((bs, pad), _NEG_INF)], dim=1
+        )
         beam_rank = torch.cat([beam_rank, beam_rank.new_zeros(bs, pad)], dim=1)
     beam_parent = torch.zeros(bs, budget, dtype=torch.int64, device=device)
     scores, ranks, parent_pos = [beam_score], [beam_rank], [beam_parent]
     flat_index = torch.arange(budget * kk, device=device)
     for d in range(1, depth_limit):
-        cand = (beam_score.unsqueeze(2) + lp[:, d, :].unsqueeze(1)).reshape(bs, budget * kk)
-        chosen = torch.topk(_order_key(cand, flat_index), budget, dim=1, largest=False, sorted=False)
+        cand = (beam_score.unsqueeze(2) + lp[:, d, :].unsqueeze(1)).reshape(
+            bs, budget * kk
+        )
+        chosen = torch.topk(
+            _order_key(cand, flat_index), budget, dim=1, largest=False, sorted=False
+        )
         flat = torch.sort(chosen.values & _LOW32, dim=1).values
         beam_score = cand.gather(1, flat)
         scores.append(beam_score)
@@ -367,7 +385,9 @@ def build_tree(
 
     all_score = torch.stack(scores, dim=1).reshape(bs, depth_limit * budget)
     tie = torch.arange(depth_limit * budget, device=device)
-    sel = torch.topk(_order_key(all_score, tie), budget, dim=1, largest=False, sorted=True).values
+    sel = torch.topk(
+        _order_key(all_score, tie), budget, dim=1, largest=False, sorted=True
+    ).values
     slot = sel & _LOW32  # d * B + beam position
     node_score = all_score.gather(1, slot)
     node_valid = node_score != _NEG_INF
@@ -377,9 +397,15 @@ def build_tree(
     token = ids.reshape(bs, -1).gather(1, node_depth0 * kk + rank)
 
     # verify index of every beam slot that became a node (0 = not a node / root)
-    verify_of_slot = torch.zeros(bs, depth_limit * budget + 1, dtype=torch.int64, device=device)
-    verify_of_slot.scatter_(1, slot, torch.arange(1, budget + 1, device=device).expand(bs, budget))
-    parent_slot = torch.where(node_depth0 > 0, (node_depth0 - 1) * budget + ppos, depth_limit * budget)
+    verify_of_slot = torch.zeros(
+        bs, depth_limit * budget + 1, dtype=torch.int64, device=device
+    )
+    verify_of_slot.scatter_(
+        1, slot, torch.arange(1, budget + 1, device=device).expand(bs, budget)
+    )
+    parent_slot = torch.where(
+        node_depth0 > 0, (node_depth0 - 1) * budget + ppos, depth_limit * budget
+    )
     parent = verify_of_slot.gather(1, parent_slot)
 
     zero = torch.zeros_like(token)
@@ -444,7 +470,9 @@ def tree_arrays_from_parents(
     # first child: the smallest verify index among a node's live children
     child_par = torch.where(live, parents_full, torch.full_like(parents_full, n))
     first = torch.full((bs, n + 1), big, dtype=torch.int64, device=device)
-    first.scatter_reduce_(1, child_par, idx.expand(bs, n), reduce="amin", include_self=True)
+    first.scatter_reduce_(
+        1, child_par, idx.expand(bs, n), reduce="amin", include_self=True
+    )
     next_token = first[:, :n]
     next_token = torch.where(next_token == big, -1, next_token)
     # next sibling: sort by (parent, index); consecutive entries with the same parent are siblings
@@ -478,7 +506,9 @@ def tree_custom_mask(tree_mask: Tensor, seq_lens: Tensor | list[int]) -> Tensor:
     row_len = torch.tensor([s + n for s in lens], dtype=torch.int64, device=device)
     sizes = row_len * n
     total = int(sum((s + n) * n for s in lens))
-    req = torch.repeat_interleave(torch.arange(bs, device=device), sizes, output_size=total)
+    req = torch.repeat_interleave(
+        torch.arange(bs, device=device), sizes, output_size=total
+    )
     offset = torch.cumsum(sizes, 0) - sizes
     local = torch.arange(total, device=device) - offset[req]
     width = row_len[req]
@@ -514,15 +544,23 @@ def compile_tree(
     n = budget + 1
     device = tree.tokens.device
     root = torch.zeros(bs, 1, dtype=torch.int64, device=device)
-    tokens = torch.cat([bonus_tokens.view(bs, 1).to(device=device, dtype=torch.int64), tree.tokens], 1)
+    tokens = torch.cat(
+        [bonus_tokens.view(bs, 1).to(device=device, dtype=torch.int64), tree.tokens], 1
+    )
     depth = torch.cat([root, tree.depth], 1)
     parents = torch.cat([root - 1, tree.parents], 1)
-    valid = torch.cat([torch.ones(bs, 1, dtype=torch.bool, device=device), tree.node_valid], 1)
+    valid = torch.cat(
+        [torch.ones(bs, 1, dtype=torch.bool, device=device), tree.node_valid], 1
+    )
     bound = budget if max_depth is None else min(max_depth, budget)
-    tree_mask, next_token, next_sibling = tree_arrays_from_parents(parents, valid, bound)
+    tree_mask, next_token, next_sibling = tree_arrays_from_parents(
+        parents, valid, bound
+    )
     positions = seq_lens.view(bs, 1).to(device=device, dtype=torch.int64) + depth
     if build_custom_mask:
-        custom = tree_custom_mask(tree_mask, seq_lens if seq_lens_cpu is None else seq_lens_cpu)
+        custom = tree_custom_mask(
+            tree_mask, seq_lens if seq_lens_cpu is None else seq_lens_cpu
+        )
     else:
         custom = torch.zeros(0, dtype=torch.bool, device=device)
     return CompiledTree(
@@ -544,7 +582,11 @@ def compile_tree(
 
 
 def _walk(
-    candidates: Tensor, next_token: Tensor, next_sibling: Tensor, chosen: Tensor, max_accept: int
+    candidates: Tensor,
+    next_token: Tensor,
+    next_sibling: Tensor,
+    chosen: Tensor,
+    max_accept: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Follow, from the root, the child whose token equals ``chosen[node]`` (sgl_kernel order)."""
     bs, _ = candidates.shape
@@ -636,7 +678,7 @@ def target_probs_from_logits(
     bs, _, vocab = x.shape
     device = x.device
 
-    def per_req(v: Tensor | float | int | None, fill: float) -> Tensor:
+    def per_req(v: Tensor | float | None, fill: float) -> Tensor:
         if v is None:
             v = fill
         t = torch.as_tensor(v, dtype=torch.float32, device=device)
@@ -652,7 +694,9 @@ def target_probs_from_logits(
     pp = per_req(top_p, 1.0)
     mass_before = torch.cumsum(order.values, dim=-1) - order.values
     keep &= (mass_before < pp) | (ranks == 0)
-    kept = torch.zeros_like(probs).scatter(-1, order.indices, torch.where(keep, order.values, 0.0))
+    kept = torch.zeros_like(probs).scatter(
+        -1, order.indices, torch.where(keep, order.values, 0.0)
+    )
     kept = kept / kept.sum(dim=-1, keepdim=True)
     onehot = torch.zeros_like(probs).scatter(-1, x.argmax(dim=-1, keepdim=True), 1.0)
     out = torch.where(greedy, onehot, kept)
@@ -669,13 +713,17 @@ class AcceptPlan(NamedTuple):
 
     keep_slots: Tensor  # [sum(commit_lens)] int64 KV slots kept, path order per request
     free_mask: Tensor  # [bs*N] bool: slots of out_cache_loc to free
-    hidden_index: Tensor  # [sum(commit_lens)] int64 verify hidden-state rows in path order
-    last_node: Tensor  # [bs] int64 within-request verify index of the last accepted node
+    hidden_index: Tensor  # [sum(commit_lens)] int64 verify hidden rows, path order
+    last_node: Tensor  # [bs] int64 last accepted node's within-request verify index
     commit_lens: Tensor  # [bs] int64 = accept_len + 1
 
 
 def accept_plan(
-    accept_index: Tensor, accept_len: Tensor, out_cache_loc: Tensor, *, flat_index: bool = False
+    accept_index: Tensor,
+    accept_len: Tensor,
+    out_cache_loc: Tensor,
+    *,
+    flat_index: bool = False,
 ) -> AcceptPlan:
     """KV keep/free sets and gather indices from the accepted paths.
 
@@ -719,7 +767,8 @@ def tree_metrics(tree: DDTree, accept_len: Tensor | None = None) -> dict:
     max_depth = int(depth.max()) if depth.numel() else 0
     nodes = valid.sum(dim=1)
     width = [
-        float(((depth == d) & valid).sum()) / bs if bs else 0.0 for d in range(1, max_depth + 1)
+        float(((depth == d) & valid).sum()) / bs if bs else 0.0
+        for d in range(1, max_depth + 1)
     ]
     tree_depth = torch.where(valid, depth, 0).amax(dim=1) if bs else torch.zeros(0)
     out: dict = {
@@ -732,7 +781,11 @@ def tree_metrics(tree: DDTree, accept_len: Tensor | None = None) -> dict:
     if accept_len is not None:
         acc = accept_len.detach().cpu().to(torch.int64)
         top = max(max_depth, int(acc.max()) if acc.numel() else 0)
-        out["accept_hist"] = torch.bincount(acc, minlength=top + 1).tolist() if acc.numel() else []
+        out["accept_hist"] = (
+            torch.bincount(acc, minlength=top + 1).tolist() if acc.numel() else []
+        )
         out["mean_accept_len"] = float(acc.float().mean()) if acc.numel() else 0.0
-        out["mean_tokens_per_step"] = out["mean_accept_len"] + 1.0 if acc.numel() else 0.0
+        out["mean_tokens_per_step"] = (
+            out["mean_accept_len"] + 1.0 if acc.numel() else 0.0
+        )
     return out
