@@ -10,9 +10,9 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from deploy import snapshot as snap
 from deploy.buildinfo import MANIFEST_NAME, BuildFile, BuildInfo, compute_build_id, sha256_file

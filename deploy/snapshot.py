@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -52,8 +53,7 @@ def snapshot_dir_for(version: str, root: Path = SNAPSHOT_ROOT) -> Path:
 def check_relpath(relpath: str) -> str:
     """Normalise a package-relative path and refuse anything that escapes the package."""
     rel = relpath.strip().replace("\\", "/")
-    if rel.startswith("sglang/"):
-        rel = rel[len("sglang/"):]
+    rel = rel.removeprefix("sglang/")
     parts = rel.split("/")
     if not rel or rel.startswith("/") or any(p in ("", ".", "..") for p in parts):
         raise UsageError(f"bad snapshot path {relpath!r}: give a path inside the sglang package, e.g. srt/server_args.py")
@@ -166,7 +166,7 @@ class Source:
     """Where upstream bytes come from: a wheel or an installed package."""
 
     version: str
-    read: "callable"  # relpath -> bytes | None
+    read: Callable[[str], bytes | None]  # relpath -> bytes, None when absent
     record: dict[str, str]
     wheel_name: str | None = None
     wheel_sha256: str | None = None

@@ -1,0 +1,40 @@
+"""Gate 6: import and behaviour smoke of the patched modules against the real sglang package.
+
+Runs `<python> -m checks.sglang_smoke --build <build>` (written with the patch series; exit 0 ok,
+1 failure, 77 skipped when no sglang test environment exists). Skipped when that module is absent.
+"""
+
+from __future__ import annotations
+
+import subprocess
+
+from checks.base import FAIL, PASS, SKIP, Context, GateResult, Step
+
+NUMBER, NAME = 6, "sglang smoke"
+SKIPPED_RC = 77
+
+
+def _last(text: str) -> str:
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else ""
+
+
+def run(ctx: Context, step: Step) -> GateResult:
+    module = ctx.repo_root / "checks" / "sglang_smoke.py"
+    if not module.is_file():
+        return GateResult(NUMBER, NAME, SKIP, 0, "checks/sglang_smoke.py not present")
+    info = ctx.build()
+    n = sum(1 for r, f in info.files.items() if f.sha256 != f.pristine_sha256)
+    step("importing the patched modules with the real sglang package")
+    try:
+        proc = subprocess.run([ctx.python, "-m", "checks.sglang_smoke", "--build", str(info.root)],
+                              cwd=ctx.repo_root, capture_output=True, text=True, timeout=ctx.timeout_s, check=False)
+    except subprocess.TimeoutExpired:
+        return GateResult(NUMBER, NAME, FAIL, n, f"timed out after {ctx.timeout_s:.0f} s")
+    out = proc.stdout + proc.stderr
+    if proc.returncode == SKIPPED_RC:
+        return GateResult(NUMBER, NAME, SKIP, n, _last(out) or "no sglang test environment")
+    if proc.returncode == 0:
+        return GateResult(NUMBER, NAME, PASS, n, _last(proc.stdout) or "smoke passed")
+    tail = [ln for ln in out.strip().splitlines() if ln.strip()][-20:]
+    return GateResult(NUMBER, NAME, FAIL, n, _last(out) or f"exit code {proc.returncode}", tail)

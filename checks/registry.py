@@ -1,0 +1,48 @@
+"""The ordered list of quality gates and the loop that runs them."""
+
+from __future__ import annotations
+
+import time
+import traceback
+from collections.abc import Callable
+
+from checks import gate_compile, gate_lint, gate_roundtrip, gate_series, gate_smoke, gate_snapshot, gate_unit
+from checks.base import FAIL, Context, GateResult, Step
+from deploy.errors import DDTreeDeployError, UsageError
+
+GATES = (gate_snapshot, gate_series, gate_roundtrip, gate_compile, gate_lint, gate_smoke, gate_unit)
+
+
+def select(names: list[str] | None):
+    """The gates to run: all, or those named by number or (a prefix of) name."""
+    if not names:
+        return list(GATES)
+    chosen = []
+    for n in names:
+        hits = [g for g in GATES if n == str(g.NUMBER) or g.NAME.startswith(n.lower())]
+        if not hits:
+            known = ", ".join(f"{g.NUMBER}={g.NAME}" for g in GATES)
+            raise UsageError(f"unknown gate {n!r} (known: {known})")
+        chosen += [g for g in hits if g not in chosen]
+    return sorted(chosen, key=lambda g: g.NUMBER)
+
+
+def run_gates(ctx: Context, gates=None, *, on_start: Callable[[object], None] | None = None,
+              step: Step = lambda _msg: None) -> list[GateResult]:
+    """Run every gate (each independent of the others' results); a raised error is a failure."""
+    results = []
+    for gate in gates or GATES:
+        if on_start:
+            on_start(gate)
+        t0 = time.monotonic()
+        try:
+            result = gate.run(ctx, step)
+        except DDTreeDeployError as exc:
+            result = GateResult(gate.NUMBER, gate.NAME, FAIL, 0, exc.message,
+                                exc.detail.splitlines()[-20:] if exc.detail else [])
+        except Exception as exc:  # a crashing gate must not hide the others
+            result = GateResult(gate.NUMBER, gate.NAME, FAIL, 0, f"internal error: {exc!r}",
+                                traceback.format_exc().splitlines()[-10:])
+        result.seconds = time.monotonic() - t0
+        results.append(result)
+    return results
