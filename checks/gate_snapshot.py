@@ -17,4 +17,4 @@ def run(ctx: Context, step: Step) -> GateResult:
     if problems:
         return GateResult(NUMBER, NAME, FAIL, n, f"{len(problems)} file(s) differ from the manifest",
                           [p.describe(snap_dir) for p in problems])
-    return GateResult(NUMBER, NAME, PASS, n, f"{n} files match sglang {manifest.sglang_version} ({manifest.wheel_name})")
+    return GateResult(NUMBER, NAME, PASS, n, f"{n} files match sglang {manifest.sglang_version}")
