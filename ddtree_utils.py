@@ -593,9 +593,7 @@ def _walk(
     device = candidates.device
     cand = candidates.tolist()
     first, sib, pick = next_token.tolist(), next_sibling.tolist(), chosen.tolist()
-    accept_index = torch.full((bs, max_accept + 1), -1, dtype=torch.int64)
-    accept_len = torch.zeros(bs, dtype=torch.int64)
-    bonus = torch.zeros(bs, dtype=torch.int64)
+    rows, lens, bonus = [], [], []
     for b in range(bs):
         cur, path = 0, [0]
         for _ in range(max_accept):
@@ -606,10 +604,13 @@ def _walk(
                 break
             cur = child
             path.append(cur)
-        accept_index[b, : len(path)] = torch.tensor(path)
-        accept_len[b] = len(path) - 1
-        bonus[b] = pick[b][cur]
-    return accept_index.to(device), accept_len.to(device), bonus.to(device)
+        lens.append(len(path) - 1)
+        bonus.append(pick[b][cur])
+        rows.append(path + [-1] * (max_accept + 1 - len(path)))
+    accept_index = torch.tensor(rows, dtype=torch.int64).view(bs, max_accept + 1)
+    accept_len = torch.tensor(lens, dtype=torch.int64)
+    bonus_t = torch.tensor(bonus, dtype=torch.int64)
+    return accept_index.to(device), accept_len.to(device), bonus_t.to(device)
 
 
 def verify_greedy_reference(
@@ -693,7 +694,7 @@ def target_probs_from_logits(
     keep = (kk <= 0) | (ranks < kk)
     pp = per_req(top_p, 1.0)
     mass_before = torch.cumsum(order.values, dim=-1) - order.values
-    keep &= (mass_before < pp) | (ranks == 0)
+    keep = keep & ((mass_before < pp) | (ranks == 0))
     kept = torch.zeros_like(probs).scatter(
         -1, order.indices, torch.where(keep, order.values, 0.0)
     )

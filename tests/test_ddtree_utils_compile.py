@@ -41,10 +41,17 @@ def check_compiled(tree: du.DDTree, bonus, seq_lens, ct: du.CompiledTree):
         par = [-1] + tree.parents[b].tolist()
         valid = [True] + tree.node_valid[b].tolist()
         depth = [0] + tree.depth[b].tolist()
-        assert ct.draft_tokens.view(bs, n)[b].tolist() == [int(bonus[b])] + tree.tokens[b].tolist()
-        assert ct.positions.view(bs, n)[b].tolist() == [int(seq_lens[b]) + d for d in depth]
+        assert (
+            ct.draft_tokens.view(bs, n)[b].tolist()
+            == [int(bonus[b])] + tree.tokens[b].tolist()
+        )
+        assert ct.positions.view(bs, n)[b].tolist() == [
+            int(seq_lens[b]) + d for d in depth
+        ]
         assert ct.parents[b].tolist() == par and ct.depth[b].tolist() == depth
-        children = {i: [c for c in range(1, n) if valid[c] and par[c] == i] for i in range(n)}
+        children = {
+            i: [c for c in range(1, n) if valid[c] and par[c] == i] for i in range(n)
+        }
         for i in range(n):
             row = {j for j in range(n) if ct.tree_mask[b, i, j]}
             assert row == (ancestors_or_self(par, i) if valid[i] else {0, i})
@@ -54,7 +61,10 @@ def check_compiled(tree: du.DDTree, bonus, seq_lens, ct: du.CompiledTree):
                 assert int(ct.retrieve_next_sibling[b, a]) == c
             if not valid[i]:
                 assert int(ct.retrieve_next_sibling[b, i]) == -1
-        nt, ns = ct.retrieve_next_token[b].tolist(), ct.retrieve_next_sibling[b].tolist()
+        nt, ns = (
+            ct.retrieve_next_token[b].tolist(),
+            ct.retrieve_next_sibling[b].tolist(),
+        )
         assert sorted(reachable(nt, ns)) == [i for i in range(n) if valid[i]]
         s = int(seq_lens[b])
         for i in range(n):
@@ -99,7 +109,9 @@ def test_arrays_from_arbitrary_parents(raw):
     for i in range(1, n):
         depth[i] = depth[par[i]] + 1
     parents = torch.tensor([par])
-    mask, nt, ns = du.tree_arrays_from_parents(parents, torch.ones(1, n, dtype=torch.bool), max(depth))
+    mask, nt, ns = du.tree_arrays_from_parents(
+        parents, torch.ones(1, n, dtype=torch.bool), max(depth)
+    )
     for i in range(n):
         assert {j for j in range(n) if mask[0, i, j]} == ancestors_or_self(par, i)
         kids = [c for c in range(1, n) if par[c] == i]
@@ -116,7 +128,9 @@ def test_custom_mask_separately_and_without():
     assert ct.custom_mask.numel() == 0
     full = du.tree_custom_mask(ct.tree_mask, seq)
     assert full.numel() == 9 * (3 + 9) + 9 * (0 + 9)
-    assert torch.equal(full, du.compile_tree(tree, torch.tensor([1, 2]), seq).custom_mask)
+    assert torch.equal(
+        full, du.compile_tree(tree, torch.tensor([1, 2]), seq).custom_mask
+    )
     with pytest.raises(ValueError, match="seq_lens"):
         du.tree_custom_mask(ct.tree_mask, [1, 2, 3])
 
@@ -124,6 +138,8 @@ def test_custom_mask_separately_and_without():
 def test_empty_batch_compiles():
     lp, ids = du.draft_topk_logprobs(torch.zeros(0, 4, 9), 4)
     tree = du.build_tree(lp, ids, 4)
-    ct = du.compile_tree(tree, torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64))
+    ct = du.compile_tree(
+        tree, torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)
+    )
     assert ct.draft_tokens.shape == (0,) and ct.custom_mask.shape == (0,)
     assert ct.tree_mask.shape == (0, 5, 5)

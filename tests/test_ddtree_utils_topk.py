@@ -20,10 +20,14 @@ def reference_topk(logits: torch.Tensor, k: int):
 @pytest.mark.parametrize("chunk", [3, 7, 64, 32768])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_matches_log_softmax(chunk, dtype):
-    logits = (torch.randn(3, 4, 50, generator=torch.Generator().manual_seed(chunk)) * 4).to(dtype)
+    logits = (
+        torch.randn(3, 4, 50, generator=torch.Generator().manual_seed(chunk)) * 4
+    ).to(dtype)
     lp, ids = du.draft_topk_logprobs(logits, 6, chunk_size=chunk)
     want_lp, want_ids = reference_topk(logits, 6)
-    assert lp.dtype == torch.float32 and ids.dtype == torch.int64 and lp.shape == (3, 4, 6)
+    assert (
+        lp.dtype == torch.float32 and ids.dtype == torch.int64 and lp.shape == (3, 4, 6)
+    )
     assert torch.equal(ids, want_ids)
     assert torch.allclose(lp.double(), want_lp, atol=1e-5)
     assert (lp[..., 1:] <= lp[..., :-1]).all() and (lp <= 0).all()
@@ -34,7 +38,9 @@ def test_k_larger_than_vocab_and_probability_one():
     assert lp.shape == (1, 1, 3)
     assert torch.allclose(lp.exp().sum(), torch.tensor(1.0))
     one, _ = du.draft_topk_logprobs(torch.full((1, 2, 1), 3.0), 4)
-    assert torch.equal(one, torch.zeros(1, 2, 1))  # exactly 0, not -0.0 or a rounding residue
+    assert torch.equal(
+        one, torch.zeros(1, 2, 1)
+    )  # exactly 0, not -0.0 or a rounding residue
 
 
 def test_negative_infinity_logits():
@@ -73,7 +79,9 @@ def test_shard_merge_equals_full_vocab(splits, k):
     logits[0, 1, :25] = float("-inf")
     stats, offset = [], 0
     for width in splits:
-        stats.append(du.shard_topk_stats(logits[..., offset : offset + width], k, offset))
+        stats.append(
+            du.shard_topk_stats(logits[..., offset : offset + width], k, offset)
+        )
         offset += width
     ks = max(v.shape[-1] for v, _, _ in stats)
     pad = [  # shards narrower than k are padded to a common K, as an all_gather needs

@@ -49,11 +49,15 @@ def assert_tree_matches_brute(tree: du.DDTree, lp, ids, budget, valid, cap):
             assert float(tree.score[b, j]) == score
             assert int(tree.depth[b, j]) == d
             assert int(tree.tokens[b, j]) == token
-            parent = index_of[ranks[:-1]] if d > 1 else 0  # prefix-closed: parent already listed
+            parent = (
+                index_of[ranks[:-1]] if d > 1 else 0
+            )  # prefix-closed: parent already listed
             assert int(tree.parents[b, j]) == parent < j + 1
 
 
-def random_inputs(draw_seed: int, bs: int, depth: int, vocab: int, k: int, levels: int, p_ninf: float):
+def random_inputs(
+    draw_seed: int, bs: int, depth: int, vocab: int, k: int, levels: int, p_ninf: float
+):
     """Quantised logits (many exact ties), some -inf, through the real draft_topk_logprobs."""
     gen = torch.Generator().manual_seed(draw_seed)
     logits = torch.randint(0, levels, (bs, depth, vocab), generator=gen).float() * 0.5
@@ -131,8 +135,14 @@ def test_budget_beyond_existing_prefixes():
     for build in (du.build_tree_reference, du.build_tree):
         tree = build(lp, ids, 10)
         assert tree.node_valid.sum() == 6
-        tok, par, dep = tree.tokens[0].tolist(), tree.parents[0].tolist(), tree.depth[0].tolist()
-        paths = {(tok[j],) if dep[j] == 1 else (tok[par[j] - 1], tok[j]) for j in range(6)}
+        tok, par, dep = (
+            tree.tokens[0].tolist(),
+            tree.parents[0].tolist(),
+            tree.depth[0].tolist(),
+        )
+        paths = {
+            (tok[j],) if dep[j] == 1 else (tok[par[j] - 1], tok[j]) for j in range(6)
+        }
         assert paths == {(0,), (1,), (0, 0), (0, 1), (1, 0), (1, 1)}
         assert not tree.node_valid[0, 6:].any()
 
@@ -143,7 +153,11 @@ def test_all_rows_invalid_and_empty_batch():
     for build in (du.build_tree_reference, du.build_tree):
         tree = build(lp, ids, 7, valid=valid)
         assert not tree.node_valid.any() and torch.isneginf(tree.score).all()
-        assert tree.parents.eq(0).all() and tree.depth.eq(1).all() and tree.tokens.eq(0).all()
+        assert (
+            tree.parents.eq(0).all()
+            and tree.depth.eq(1).all()
+            and tree.tokens.eq(0).all()
+        )
         empty = build(lp[:0], ids[:0], 7)
         assert empty.tokens.shape == (0, 7)
 
@@ -151,7 +165,9 @@ def test_all_rows_invalid_and_empty_batch():
 @pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("logit_dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_dtypes(id_dtype, logit_dtype):
-    logits = torch.randn(2, 5, 40, generator=torch.Generator().manual_seed(1)).to(logit_dtype)
+    logits = torch.randn(2, 5, 40, generator=torch.Generator().manual_seed(1)).to(
+        logit_dtype
+    )
     lp, ids = du.draft_topk_logprobs(logits, 8)
     assert lp.dtype == torch.float32 and ids.dtype == torch.int64
     ref = du.build_tree_reference(lp, ids.to(id_dtype), 20)
