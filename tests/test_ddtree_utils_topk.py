@@ -34,7 +34,7 @@ def test_matches_log_softmax(chunk, dtype):
 
 
 def test_k_larger_than_vocab_and_probability_one():
-    lp, ids = du.draft_topk_logprobs(torch.tensor([[[2.0, -1.0, 0.5]]]), 10)
+    lp, _ = du.draft_topk_logprobs(torch.tensor([[[2.0, -1.0, 0.5]]]), 10)
     assert lp.shape == (1, 1, 3)
     assert torch.allclose(lp.exp().sum(), torch.tensor(1.0))
     one, _ = du.draft_topk_logprobs(torch.full((1, 2, 1), 3.0), 4)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -81,7 +83,7 @@ def test_greedy_walk_equals_sequential_decode(seed, depth, vocab, budget, hit):
         path = acc[b, : k + 1].tolist()
         assert path[0] == 0 and acc[b, k + 1 :].eq(-1).all()
         assert [int(cand[b, i]) for i in path[1:]] + [int(bonus[b])] == decoded
-        for parent, child in zip(path, path[1:]):
+        for parent, child in itertools.pairwise(path):
             assert int(ct.parents[b, child]) == parent
         # maximal: the target's next token is not a child of the last accepted node
         last = path[-1]
