@@ -13,10 +13,7 @@ from deploy.errors import DDTreeDeployError, UsageError
 GATES = (gate_snapshot, gate_series, gate_roundtrip, gate_compile, gate_lint, gate_smoke, gate_unit)
 
 
-def select(names: list[str] | None):
-    """The gates to run: all, or those named by number or (a prefix of) name."""
-    if not names:
-        return list(GATES)
+def _match(names: list[str]) -> list:
     chosen = []
     for n in names:
         hits = [g for g in GATES if n == str(g.NUMBER) or g.NAME.startswith(n.lower())]
@@ -24,7 +21,14 @@ def select(names: list[str] | None):
             known = ", ".join(f"{g.NUMBER}={g.NAME}" for g in GATES)
             raise UsageError(f"unknown gate {n!r} (known: {known})")
         chosen += [g for g in hits if g not in chosen]
-    return sorted(chosen, key=lambda g: g.NUMBER)
+    return chosen
+
+
+def select(names: list[str] | None = None, skip: list[str] | None = None) -> list:
+    """The gates to run: all, or those named by number or (a prefix of) name, minus `skip`."""
+    chosen = _match(names) if names else list(GATES)
+    skipped = _match(skip) if skip else []
+    return sorted((g for g in chosen if g not in skipped), key=lambda g: g.NUMBER)
 
 
 def run_gates(ctx: Context, gates=None, *, on_start: Callable[[object], None] | None = None,

@@ -14,7 +14,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 from rich.table import Table
 
 from checks.base import FAIL, PASS, SKIP, Context, GateResult
-from checks.registry import GATES, run_gates, select
+from checks.registry import run_gates, select
 from deploy import snapshot as snap
 from deploy.build import BUILD_ROOT, DDTREE_UTILS, PATCHES_DIR, Inputs, build
 from deploy.cli import app
@@ -31,6 +31,7 @@ PatchesDir = Annotated[Path, typer.Option("--patches-dir", help="Directory with 
 BuildDir = Annotated[Path, typer.Option("--build-dir", help="Build root; the tree goes to <build-dir>/sglang-<version>/.")]
 UtilsPath = Annotated[Path, typer.Option("--ddtree-utils", help="The ddtree_utils.py to ship.")]
 JsonOut = Annotated[bool, typer.Option("--json", help="Write a JSON report to stdout.")]
+Skip = Annotated[list[str] | None, typer.Option("--skip", help="Skip this gate (number or name; repeatable).")]
 Pythons = Annotated[list[str] | None, typer.Option("--python", help="Also py_compile with this interpreter (repeatable).")]
 
 DEFAULT_SNAPSHOT = snap.snapshot_dir_for(snap.PINNED_VERSION)
@@ -97,11 +98,13 @@ def patch(
     build_dir: BuildDir = BUILD_ROOT,
     ddtree_utils: UtilsPath = DDTREE_UTILS,
     no_check: Annotated[bool, typer.Option("--no-check", help="Build only; skip the quality gates.")] = False,
+    skip: Skip = None,
     python: Pythons = None,
     json_out: JsonOut = False,
 ) -> None:
     """Build build/sglang-<version>/ from the snapshot, the series and ddtree_utils.py, then run the gates."""
     inputs = Inputs(snapshot_dir, patches_dir, build_dir, ddtree_utils)
+    gates = [] if no_check else select(None, skip)
     with _progress() as progress:
         task = progress.add_task("applying patches", total=None)
         result = build(inputs, on_patch=lambda e: progress.update(task, description=f"applying {e.name}"))
@@ -110,8 +113,8 @@ def patch(
     info = result.info
     ok(f"built {info.root} (build {info.build_id}: {len(info.files)} files, {len(info.patches)} patch(es))")
     results: list[GateResult] = []
-    if not no_check:
-        results = _run_gates_with_progress(Context(inputs=inputs, extra_pythons=python or []), list(GATES))
+    if gates:
+        results = _run_gates_with_progress(Context(inputs=inputs, extra_pythons=python or []), gates)
         _show_gates(results)
     if json_out:
         emit_json({"build": _build_json(result), "gates": [r.to_json() for r in results],
@@ -126,12 +129,13 @@ def check(
     build_dir: BuildDir = BUILD_ROOT,
     ddtree_utils: UtilsPath = DDTREE_UTILS,
     gate: Annotated[list[str] | None, typer.Option("--gate", "-g", help="Run only this gate (number or name; repeatable).")] = None,
+    skip: Skip = None,
     python: Pythons = None,
     json_out: JsonOut = False,
 ) -> None:
     """Run the quality gates on the current build (non-zero exit when any gate fails)."""
     ctx = Context(inputs=Inputs(snapshot_dir, patches_dir, build_dir, ddtree_utils), extra_pythons=python or [])
-    results = _run_gates_with_progress(ctx, select(gate))
+    results = _run_gates_with_progress(ctx, select(gate, skip))
     _show_gates(results)
     if json_out:
         emit_json({"build_dir": str(ctx.build_dir), "gates": [r.to_json() for r in results],
