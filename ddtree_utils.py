@@ -28,6 +28,7 @@ from __future__ import annotations
 import heapq
 import math
 import struct
+import sys
 from typing import NamedTuple
 
 import torch
@@ -302,14 +303,15 @@ def build_tree_reference(
     return DDTree(*(t.to(device) for t in out))
 
 
-def _order_key(score: Tensor, tie: Tensor) -> Tensor:
-    """int64 key, ascending = (score descending, tie ascending), for scores <= 0 (incl. -inf).
+def _high_words(keys: Tensor) -> Tensor:
+    """Strided int32 view of the high 32 bits of a contiguous int64 tensor (little-endian).
 
-    For non-positive float32 the magnitude bits grow as the value falls, so the high 32 bits
-    order by score and the low 32 bits carry the tie index (< 2**32).
+    Writing the magnitude bits of a non-positive float32 score there and keeping a tie index
+    (< 2**31) in the low word makes ascending int64 order = (score descending, tie ascending):
+    for non-positive floats (and -inf) the magnitude bits grow as the value falls.
     """
-    mag = score.contiguous().view(torch.int32).to(torch.int64) & _MAG31
-    return (mag << 32) | tie
+    pairs = keys.view(torch.int32).view(*keys.shape, 2)
+    return pairs[..., 1 if sys.byteorder == "little" else 0]
 
 
 def build_tree(
@@ -358,45 +360,43 @@ def build_tree(
         )
     ids = topk_ids[:, :, :kk].to(torch.int64)
 
-    # depth 1: ranks 0..kk-1 already in lexicographic (= rank) order; pad the beam to width B.
-    beam_score = lp[:, 0, :]
-    beam_rank = torch.arange(kk, device=device).expand(bs, kk)
-    if kk < budget:
-        pad = budget - kk
-        beam_score = torch.cat(
-            [beam_score, beam_score.new_full((bs, pad), _NEG_INF)], dim=1
-        )
-        beam_rank = torch.cat([beam_rank, beam_rank.new_zeros(bs, pad)], dim=1)
-    beam_parent = torch.zeros(bs, budget, dtype=torch.int64, device=device)
-    scores, ranks, parent_pos = [beam_score], [beam_rank], [beam_parent]
-    flat_index = torch.arange(budget * kk, device=device)
+    # depth 1: ranks 0..kk-1 are already in lexicographic (= rank) order; pad the beam to B.
+    # Beams live in [L, bs, B] buffers: scores, and flat candidate index parent_pos * kk + rank.
+    scores = torch.full((depth_limit, bs, budget), _NEG_INF, device=device)
+    scores[0, :, :kk] = lp[:, 0, :]
+    flats = torch.empty(depth_limit, bs, budget, dtype=torch.int64, device=device)
+    flats[0] = torch.arange(budget, device=device)
+    keys = torch.arange(budget * kk, device=device).repeat(
+        bs, 1
+    )  # low words: flat index
+    high = _high_words(keys)
+    scratch = torch.empty(bs, budget, dtype=torch.int64, device=device)
     for d in range(1, depth_limit):
-        cand = (beam_score.unsqueeze(2) + lp[:, d, :].unsqueeze(1)).reshape(
+        cand = (scores[d - 1].unsqueeze(2) + lp[:, d, :].unsqueeze(1)).view(
             bs, budget * kk
         )
-        chosen = torch.topk(
-            _order_key(cand, flat_index), budget, dim=1, largest=False, sorted=False
-        )
-        flat = torch.sort(chosen.values & _LOW32, dim=1).values
-        beam_score = cand.gather(1, flat)
-        scores.append(beam_score)
-        ranks.append(flat % kk)
-        parent_pos.append(flat // kk)
+        torch.bitwise_and(
+            cand.view(torch.int32), _MAG31, out=high
+        )  # high words: score order
+        chosen = torch.topk(keys, budget, dim=1, largest=False, sorted=False).values
+        torch.sort(chosen.bitwise_and_(_LOW32), dim=1, out=(flats[d], scratch))
+        torch.gather(cand, 1, flats[d], out=scores[d])
 
-    all_score = torch.stack(scores, dim=1).reshape(bs, depth_limit * budget)
-    tie = torch.arange(depth_limit * budget, device=device)
-    sel = torch.topk(
-        _order_key(all_score, tie), budget, dim=1, largest=False, sorted=True
-    ).values
-    slot = sel & _LOW32  # d * B + beam position
+    # global top-B over the union: key = (score desc, depth asc, lexicographic position asc)
+    all_score = scores.transpose(0, 1).reshape(bs, depth_limit * budget)
+    gkeys = torch.arange(depth_limit * budget, device=device).repeat(bs, 1)
+    torch.bitwise_and(all_score.view(torch.int32), _MAG31, out=_high_words(gkeys))
+    slot = torch.topk(gkeys, budget, dim=1, largest=False, sorted=True).values & _LOW32
     node_score = all_score.gather(1, slot)
     node_valid = node_score != _NEG_INF
     node_depth0 = slot // budget
-    rank = torch.stack(ranks, dim=1).reshape(bs, -1).gather(1, slot)
-    ppos = torch.stack(parent_pos, dim=1).reshape(bs, -1).gather(1, slot)
-    token = ids.reshape(bs, -1).gather(1, node_depth0 * kk + rank)
+    flat = flats.transpose(0, 1).reshape(bs, depth_limit * budget).gather(1, slot)
+    rank = torch.where(node_depth0 > 0, flat % kk, flat)
+    token = ids.reshape(bs, -1).gather(
+        1, (node_depth0 * kk + rank).clamp_max(depth_limit * kk - 1)
+    )
 
-    # verify index of every beam slot that became a node (0 = not a node / root)
+    # verify index of every beam slot that became a node (0 = not a node / the root)
     verify_of_slot = torch.zeros(
         bs, depth_limit * budget + 1, dtype=torch.int64, device=device
     )
@@ -404,7 +404,7 @@ def build_tree(
         1, slot, torch.arange(1, budget + 1, device=device).expand(bs, budget)
     )
     parent_slot = torch.where(
-        node_depth0 > 0, (node_depth0 - 1) * budget + ppos, depth_limit * budget
+        node_depth0 > 0, (node_depth0 - 1) * budget + flat // kk, depth_limit * budget
     )
     parent = verify_of_slot.gather(1, parent_slot)
 
