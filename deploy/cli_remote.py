@@ -1,0 +1,288 @@
+"""Remote commands: plan, push, status, rollback (SSH through Fabric, or `local`).
+
+Human output goes to stderr (deploy.ui.console), `--json` to stdout. Exit codes: 0 ok, 1 deploy
+failed (rolled back), 2 bad inventory/usage, 5 unreachable/host key, 6 refused (version, drift,
+lock, disk), 7 automatic rollback failed. With several hosts the worst code wins (7 > 1 > 6 > 5 > 2).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.progress import BarColumn, DownloadColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from deploy import health, restart
+from deploy.buildinfo import MANIFEST_NAME, BuildInfo, load_build
+from deploy.cli import app
+from deploy.errors import EXIT_OK, ConfigError, DDTreeDeployError, RemoteUnreachable
+from deploy.facts import CURRENT, DEPLOYED, DRIFTED, MISSING, PRISTINE, gather
+from deploy.inventory import Host, Inventory, load_inventory
+from deploy.plan import add_diffs, make_plan
+from deploy.releases import Events, Outcome, run_host
+from deploy.snapshot import PINNED_VERSION
+from deploy.transport import connect
+from deploy.ui import console, emit_json, error, ok, warn
+
+DEFAULT_BUILD = Path(__file__).resolve().parent.parent / "build" / f"sglang-{PINNED_VERSION}"
+GATES_RECORD = "GATES.json"  # optional, written by the build's quality gates: {"ok": bool, ...}
+
+InventoryOpt = Annotated[Path | None, typer.Option("--inventory", "-i", help="hosts.toml (default: $DDTREE_DEPLOY_HOSTS or ./hosts.toml).")]
+BuildOpt = Annotated[Path, typer.Option("--build", help="The build directory (with BUILD-MANIFEST.json).")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Write a JSON report to stdout.")]
+BreakLock = Annotated[bool, typer.Option("--break-lock", help="Remove a lock left by a dead run (check the host first).")]
+SEVERITY = [7, 1, 6, 5, 2]
+STATUS_STYLE = {CURRENT: "[green]current[/]", PRISTINE: "[cyan]pristine[/]", DEPLOYED: "[blue]deployed[/]",
+                DRIFTED: "[bold red]drifted[/]", MISSING: "[bold red]missing[/]"}
+
+
+def _fail(exc: DDTreeDeployError) -> typer.Exit:
+    error(exc.message)
+    if exc.detail:
+        console.print(exc.detail, markup=False, highlight=False)
+    return typer.Exit(exc.exit_code)
+
+
+def _load_build(path: Path) -> BuildInfo:
+    build = load_build(path)
+    gates = Path(path) / GATES_RECORD
+    if gates.is_file():
+        try:
+            rec = json.loads(gates.read_text())
+        except ValueError:
+            raise ConfigError(f"{gates}: not valid JSON") from None
+        if not rec.get("ok", False):
+            raise ConfigError(f"build {path} did not pass its quality gates ({gates}); run `ddtree-deploy check`")
+    return build
+
+
+def _hosts(inv: Inventory, names: list[str]) -> list[Host]:
+    if len(set(names)) != len(names):
+        raise ConfigError("a host is named twice")
+    return [inv.get(n) for n in names]
+
+
+def worst(codes: list[int]) -> int:
+    bad = [c for c in codes if c != EXIT_OK]
+    if not bad:
+        return EXIT_OK
+    return min(bad, key=lambda c: SEVERITY.index(c) if c in SEVERITY else len(SEVERITY))
+
+
+class RichEvents(Events):
+    """One progress line per host: the current step, upload bytes, the health wait."""
+
+    def __init__(self, progress: Progress, hosts: list[str]):
+        self.p = progress
+        self.lock = threading.Lock()
+        self.tasks = {h: progress.add_task(f"{h}: waiting", total=None) for h in hosts}
+
+    def step(self, host: str, message: str) -> None:
+        self.p.update(self.tasks[host], description=f"{host}: {message}")
+        if not console.is_terminal:  # no live display: keep a log of the steps instead
+            console.log(f"{host}: {message}", markup=False)
+
+    def upload(self, host: str, nbytes: int, total: int) -> None:
+        with self.lock:
+            self.p.update(self.tasks[host], total=total, advance=nbytes)
+
+    def waiting(self, host: str, elapsed: float, deadline: float) -> None:
+        self.p.update(self.tasks[host], description=f"{host}: health gate {elapsed:.0f}/{deadline:.0f}s",
+                      total=deadline, completed=min(elapsed, deadline))
+
+
+def _progress() -> Progress:
+    return Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+                    TimeElapsedColumn(), console=console, transient=False)
+
+
+def _run_many(hosts: list[Host], inv: Inventory, action: str, serial: int | None, **kw) -> list[Outcome]:
+    results: dict[str, Outcome] = {}
+    size = serial or len(hosts)
+    with _progress() as progress:
+        ev = RichEvents(progress, [h.name for h in hosts])
+        for i in range(0, len(hosts), size):
+            batch = hosts[i:i + size]
+            with ThreadPoolExecutor(max_workers=len(batch)) as pool:
+                futs = {h.name: pool.submit(run_host, h, inv, action, ev, **kw) for h in batch}
+                for name, fut in futs.items():
+                    results[name] = fut.result()
+                    progress.update(ev.tasks[name], description=f"{name}: {'done' if results[name].ok else 'FAILED'}")
+    return [results[h.name] for h in hosts]
+
+
+def _table(title: str, outs: list[Outcome]) -> None:
+    t = Table(title=title)
+    for col in ("host", "result", "exit", "release", "changed", "restarted", "message"):
+        t.add_column(col, overflow="fold")
+    for o in outs:
+        t.add_row(o.host, "[green]ok[/]" if o.ok else "[bold red]FAILED[/]", str(o.code), o.release or "-",
+                  "yes" if o.changed else "no", "yes" if o.restarted else "no", o.message)
+    console.print(t)
+    for o in outs:
+        if o.detail:
+            console.rule(f"{o.host}: log tail")
+            console.print(o.detail, markup=False, highlight=False)
+
+
+@app.command()
+def push(
+    hosts: Annotated[list[str], typer.Argument(help="Inventory host names (`local` = this machine).")],
+    inventory: InventoryOpt = None,
+    build: BuildOpt = DEFAULT_BUILD,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite drifted files (they are backed up).")] = False,
+    serial: Annotated[int | None, typer.Option("--serial", min=1, help="Deploy N hosts at a time (default: all at once).")] = None,
+    break_lock: BreakLock = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Deploy the build: preflight, upload, verify, atomic swap, restart, health gate, auto-rollback."""
+    try:
+        inv = load_inventory(inventory)
+        targets = _hosts(inv, hosts)
+        b = _load_build(build)
+    except DDTreeDeployError as exc:
+        raise _fail(exc) from None
+    console.print(f"push build [bold]{b.build_id}[/] (sglang {b.sglang_version}, {len(b.patches)} patches, "
+                  f"{len(b.files)} files) to {', '.join(hosts)}")
+    outs = _run_many(targets, inv, "push", serial, build=b, force=force, break_lock=break_lock)
+    _table("push", outs)
+    code = worst([o.code for o in outs])
+    if json_out:
+        emit_json({"action": "push", "build_id": b.build_id, "ok": code == EXIT_OK, "exit_code": code,
+                   "results": [o.to_json() for o in outs]})
+    if code:
+        raise typer.Exit(code)
+
+
+@app.command()
+def rollback(
+    host: Annotated[str, typer.Argument(help="Inventory host name.")],
+    to: Annotated[str | None, typer.Option("--to", help="A release id, or `pristine` (default: the state before the current release).")] = None,
+    inventory: InventoryOpt = None,
+    break_lock: BreakLock = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Restore the previous (or a named, or the pristine) state, restart, health-check."""
+    try:
+        inv = load_inventory(inventory)
+        h = inv.get(host)
+    except DDTreeDeployError as exc:
+        raise _fail(exc) from None
+    outs = _run_many([h], inv, "rollback", None, to=to, break_lock=break_lock)
+    _table("rollback", outs)
+    if json_out:
+        emit_json({"action": "rollback", "ok": outs[0].ok, "exit_code": outs[0].code, "results": [o.to_json() for o in outs]})
+    if outs[0].code:
+        raise typer.Exit(outs[0].code)
+
+
+@app.command()
+def plan(
+    host: Annotated[str, typer.Argument(help="Inventory host name.")],
+    inventory: InventoryOpt = None,
+    build: BuildOpt = DEFAULT_BUILD,
+    diff: Annotated[bool, typer.Option("--diff", help="Show unified diffs remote -> build.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Plan as `push --force` would.")] = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Dry run: read the host and show what `push` would do. Changes nothing."""
+    t = None
+    try:
+        inv = load_inventory(inventory)
+        h = inv.get(host)
+        b = _load_build(build)
+        t = connect(h, inv)
+        facts = gather(t, b)
+        p = make_plan(t, b, facts, force=force)
+        if diff:
+            add_diffs(t, b, p)
+    except DDTreeDeployError as exc:
+        raise _fail(exc) from None
+    finally:
+        if t is not None:
+            t.close()
+    console.print(f"[bold]{h.name}[/]: sglang {facts.version} at {facts.sglang_dir} (python {h.python}); "
+                  f"state: {(facts.current or {}).get('state', 'unmanaged')}")
+    tab = Table(title=f"{h.name}: files vs build {b.build_id}")
+    for col in ("file", "status", "remote sha256", "build sha256"):
+        tab.add_column(col)
+    for f in facts.files:
+        st = STATUS_STYLE[f.status] + (f" ({f.release})" if f.release else "")
+        tab.add_row(f.relpath, st, (f.remote_sha256 or "absent")[:12], f.build_sha256[:12])
+    console.print(tab)
+    for rel, d in p.diffs.items():
+        console.rule(rel)
+        console.print(d or "(no textual difference)", markup=False, highlight=False)
+    console.print("[bold]push would:[/]")
+    for i, s in enumerate(p.steps, 1):
+        console.print(f"  {i:2}. {s}", markup=False)
+    for r in p.refusals:
+        warn(f"push would be refused: {r}")
+    if json_out:
+        emit_json(p.to_json())
+
+
+@app.command()
+def status(
+    host: Annotated[str, typer.Argument(help="Inventory host name.")],
+    inventory: InventoryOpt = None,
+    build: BuildOpt = DEFAULT_BUILD,
+    json_out: JsonOpt = False,
+) -> None:
+    """Current release, drift, service state, health, speculative algorithm and acceptance metrics."""
+    t = None
+    out: dict = {"host": host}
+    try:
+        inv = load_inventory(inventory)
+        h = inv.get(host)
+        b = load_build(build) if (Path(build) / MANIFEST_NAME).is_file() else None
+        t = connect(h, inv)
+        if b is not None:
+            facts = gather(t, b)
+            out.update(sglang_version=facts.version, sglang_dir=facts.sglang_dir, current=facts.current,
+                       lock=facts.lock, files={f.relpath: f.status for f in facts.files}, build_id=b.build_id)
+        out["service"] = restart.service_state(t)
+        try:
+            info = health.server_info(t) if out["service"] == "running" else None
+        except DDTreeDeployError:
+            info = None
+        up = health.http(t, "/health").get("status") == 200 if out["service"] == "running" else False
+        out["healthy"] = up
+        if info:
+            algo, metrics = health.algorithm_and_metrics(info)
+            out.update(speculative_algorithm=algo, metrics=metrics, server_version=info.get("version"))
+    except RemoteUnreachable as exc:
+        raise _fail(exc) from None
+    except DDTreeDeployError as exc:
+        raise _fail(exc) from None
+    finally:
+        if t is not None:
+            t.close()
+    tab = Table(title=f"{host} status", show_header=False)
+    tab.add_column("key")
+    tab.add_column("value", overflow="fold")
+    cur = out.get("current") or {}
+    tab.add_row("state", str(cur.get("state", "unmanaged")) + (f" (since {cur.get('time')})" if cur else ""))
+    if "files" in out:
+        drift = [f for f, s in out["files"].items() if s in (DRIFTED, MISSING)]
+        tab.add_row("sglang", f"{out['sglang_version']} at {out['sglang_dir']}")
+        tab.add_row("files", ", ".join(f"{s}: {sum(1 for v in out['files'].values() if v == s)}"
+                                       for s in sorted(set(out["files"].values()))) + f" (build {out['build_id']})")
+        tab.add_row("drift", ", ".join(drift) if drift else "none")
+        if out.get("lock"):
+            tab.add_row("lock", f"held by {out['lock'].get('owner')} pid {out['lock'].get('pid')}")
+    tab.add_row("service", out["service"])
+    tab.add_row("health", "healthy" if out["healthy"] else "not healthy")
+    tab.add_row("speculative algorithm", str(out.get("speculative_algorithm", "-")))
+    for k, v in (out.get("metrics") or {}).items():
+        tab.add_row(k, str(v))
+    console.print(tab)
+    if json_out:
+        emit_json(out)
+    if out["healthy"]:
+        ok(f"{host} is healthy")

@@ -1,0 +1,121 @@
+"""Read-only facts about a host, gathered in one round trip by the host-side agent, and the
+classification of every target file against the build: pristine / deployed / drifted / missing."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+from deploy.buildinfo import BuildInfo
+from deploy.errors import DDTreeDeployError, RemoteRefused
+from deploy.transport import Transport
+
+MARK = "@@ddtree-agent@@"
+
+PRISTINE, DEPLOYED, CURRENT, DRIFTED, MISSING = "pristine", "deployed", "current", "drifted", "missing"
+
+
+class AgentError(DDTreeDeployError):
+    """The host-side helper failed (exit 1)."""
+
+
+@lru_cache(maxsize=1)
+def agent_source() -> str:
+    return (Path(__file__).with_name("remote_agent.py")).read_text()
+
+
+def call_agent(t: Transport, op: str, payload: dict, timeout_s: int | None = None) -> dict:
+    """Run one agent op with the service's python on the host and return its JSON answer."""
+    script = " ".join(shlex.quote(a) for a in (t.host.python, "-c", agent_source(), op, json.dumps(payload)))
+    r = t.run(script, timeout_s)
+    line = next((ln for ln in reversed(r.stdout.splitlines()) if ln.startswith(MARK)), None)
+    if line is None:
+        why = "timed out on the host" if r.rc == 124 else f"exit {r.rc}"
+        tail = (r.stderr or r.stdout).strip().splitlines()[-5:]
+        raise AgentError(f"{t.label}: remote {op} failed ({why}) with {t.host.python}", detail="\n".join(tail) or None)
+    out = json.loads(line[len(MARK):])
+    if "agent_error" in out:
+        raise AgentError(f"{t.label}: remote {op} failed: {out['agent_error']}")
+    return out
+
+
+@dataclass
+class FileState:
+    relpath: str
+    status: str  # pristine | current (this build) | deployed (an older release) | drifted | missing
+    remote_sha256: str | None
+    build_sha256: str
+    pristine_sha256: str | None
+    release: str | None = None  # which release deployed it, for `deployed`
+
+
+@dataclass
+class HostFacts:
+    python: str
+    sglang_dir: str
+    version: str
+    free_mb: dict
+    current: dict | None
+    lock: dict | None
+    releases: list[dict]
+    pristine_store: dict
+    files: list[FileState] = field(default_factory=list)
+
+    @property
+    def up_to_date(self) -> bool:
+        return all(f.status == CURRENT for f in self.files)
+
+    @property
+    def drifted(self) -> list[FileState]:
+        return [f for f in self.files if f.status in (DRIFTED, MISSING)]
+
+    def to_json(self) -> dict:
+        return {
+            "python": self.python, "sglang_dir": self.sglang_dir, "sglang_version": self.version,
+            "free_mb": self.free_mb, "current": self.current, "lock": self.lock,
+            "releases": [r.get("id") for r in self.releases],
+            "files": [f.__dict__ for f in self.files],
+        }
+
+
+def classify(build: BuildInfo, remote: dict, releases: list[dict]) -> list[FileState]:
+    released: dict[tuple[str, str], str] = {}
+    for rec in releases:
+        for rel, sha in (rec.get("files") or {}).items():
+            released[(rel, sha)] = rec.get("id", "?")
+    out = []
+    for rel, bf in sorted(build.files.items()):
+        got = remote.get(rel)
+        sha = got["sha256"] if got else None
+        rid = None
+        if sha == bf.sha256:
+            status = CURRENT
+        elif sha == bf.pristine_sha256:  # also covers an added file that is absent (both None)
+            status = PRISTINE
+        elif sha is not None and (rel, sha) in released:
+            status, rid = DEPLOYED, released[(rel, sha)]
+        elif sha is None:
+            status = MISSING
+        else:
+            status = DRIFTED
+        out.append(FileState(rel, status, sha, bf.sha256, bf.pristine_sha256, rid))
+    return out
+
+
+def gather(t: Transport, build: BuildInfo) -> HostFacts:
+    """One round trip: version, sglang location, hashes of every target file, disk, state, lock."""
+    h = t.host
+    raw = call_agent(t, "facts", {"sglang_dir": h.sglang_dir, "files": sorted(build.files), "state_dir": h.state_dir}, 120)
+    facts = HostFacts(raw["python"], raw["sglang_dir"], raw["version"], raw["free_mb"], raw["current"], raw["lock"],
+                      raw["releases"], raw["pristine_store"])
+    facts.files = classify(build, raw["files"], raw["releases"])
+    return facts
+
+
+def require_version(t: Transport, facts: HostFacts, build: BuildInfo) -> None:
+    if facts.version != build.sglang_version:
+        raise RemoteRefused(f"{t.label}: remote SGLang is {facts.version} at {facts.sglang_dir}, the build is for "
+                            f"{build.sglang_version}; refusing (install sglang=={build.sglang_version} there first)")

@@ -1,0 +1,74 @@
+"""`plan`: facts + build -> what push would do, step by step, with per-file unified diffs. Read-only."""
+
+from __future__ import annotations
+
+import base64
+import difflib
+from dataclasses import dataclass, field
+
+from deploy.buildinfo import BuildInfo
+from deploy.facts import CURRENT, DRIFTED, MISSING, HostFacts, call_agent
+from deploy.restart import commands
+from deploy.transport import Transport
+
+
+@dataclass
+class Plan:
+    host: str
+    facts: HostFacts
+    steps: list[str] = field(default_factory=list)
+    refusals: list[str] = field(default_factory=list)
+    diffs: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def noop(self) -> bool:
+        return self.facts.up_to_date
+
+    def to_json(self) -> dict:
+        return {"host": self.host, "facts": self.facts.to_json(), "noop": self.noop, "steps": self.steps,
+                "refusals": self.refusals, "diffs": self.diffs}
+
+
+def make_plan(t: Transport, build: BuildInfo, facts: HostFacts, *, force: bool = False) -> Plan:
+    h = t.host
+    p = Plan(h.name, facts)
+    if facts.version != build.sglang_version:
+        p.refusals.append(f"remote SGLang {facts.version} != build {build.sglang_version}")
+    bad = [f for f in facts.files if f.status in (DRIFTED, MISSING)]
+    if bad and not force:
+        p.refusals.append("drifted/missing files (use --force): " + ", ".join(f.relpath for f in bad))
+    if facts.lock:
+        p.refusals.append(f"lock held by {facts.lock.get('owner', '?')} (pid {facts.lock.get('pid', '?')})")
+    if p.noop:
+        p.steps.append(f"nothing: the host already runs build {build.build_id} (no upload, no restart)")
+        return p
+    rel_dir = f"{h.state_dir}/releases/<new id>"
+    change = [f for f in facts.files if f.status != CURRENT]
+    cmds = commands(h.restart)
+    p.steps += [
+        f"lock {h.state_dir}/lock (atomic mkdir)",
+        f"back up {len(build.files)} files from {facts.sglang_dir} into {rel_dir}/backup",
+        f"upload {len(build.files)} files ({sum(f.size for f in build.files.values())} bytes) into {rel_dir}/files",
+        f"verify with {h.python}: sha256, compile" + (", import of the staged modules" if h.import_check else ""),
+        "swap (temp file in the same directory + rename): " + ", ".join(f"{f.relpath} [{f.status}]" for f in change),
+        f"restart: {cmds['restart']}",
+        f"health gate on the host: {h.health.url}/health within {h.health.deadline_s:g}s (fail fast: {cmds['alive']})",
+        f"require speculative_algorithm == {h.health.expect_algorithm}" if h.health.expect_algorithm else "no algorithm check",
+        "smoke generation via /generate" if h.health.smoke else "no smoke generation",
+        "on any failure after the swap: restore the backup byte for byte, restart, health again",
+        f"record the release on the host and in deploy-state/{h.name}.jsonl; keep {h.keep_releases} releases",
+        "unlock",
+    ]
+    return p
+
+
+def add_diffs(t: Transport, build: BuildInfo, p: Plan) -> None:
+    """Unified diff remote -> build for every file push would change."""
+    for f in p.facts.files:
+        if f.status == CURRENT:
+            continue
+        r = call_agent(t, "read", {"path": f"{p.facts.sglang_dir}/{f.relpath}"}, 60)
+        old = base64.b64decode(r["b64"]).decode("utf-8", "replace") if r["exists"] else ""
+        new = build.path_of(f.relpath).read_text(encoding="utf-8", errors="replace")
+        a = f"a/{f.relpath}" if r["exists"] else "/dev/null"
+        p.diffs[f.relpath] = "".join(difflib.unified_diff(old.splitlines(True), new.splitlines(True), a, f"b/{f.relpath}"))
