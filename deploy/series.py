@@ -233,6 +233,10 @@ def _offsets(output: str) -> list[tuple[str, int, int]]:
     return found
 
 
+def _indent(title: str, text: str) -> str:
+    return "\n".join([title] + [f"  | {ln}" for ln in text.strip().splitlines()])
+
+
 def _explain(patch: Path, output: str, reverse: bool) -> str:
     verb = "reverse-apply" if reverse else "apply"
     m = _FAILED_RE.search(output)
@@ -259,7 +263,7 @@ def apply_patch(tree: Path, patch: Path, *, reverse: bool = False, allow_offset:
     proc = subprocess.run(base + ["--check", str(patch)], cwd=tree, env=env, capture_output=True, text=True)
     output = proc.stdout + proc.stderr
     if proc.returncode != 0:
-        raise PatchApplyError(_explain(patch, output, reverse), detail=output.strip())
+        raise PatchApplyError(_explain(patch, output, reverse), detail=_indent("git apply said:", output))
     warnings = [f"{patch.name}: hunk #{h} of {f} applies only at an offset of {o} lines (run `ddtree-deploy refresh {patch.name}`)"
                 for f, h, o in _offsets(output)]
     if warnings and not allow_offset:
