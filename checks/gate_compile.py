@@ -7,7 +7,6 @@ import glob
 import os
 import shutil
 import subprocess
-from pathlib import Path
 
 from checks.base import FAIL, PASS, Context, GateResult, Step
 

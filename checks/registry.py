@@ -6,7 +6,15 @@ import time
 import traceback
 from collections.abc import Callable
 
-from checks import gate_compile, gate_lint, gate_roundtrip, gate_series, gate_smoke, gate_snapshot, gate_unit
+from checks import (
+    gate_compile,
+    gate_lint,
+    gate_roundtrip,
+    gate_series,
+    gate_smoke,
+    gate_snapshot,
+    gate_unit,
+)
 from checks.base import FAIL, Context, GateResult, Step
 from deploy.errors import DDTreeDeployError, UsageError
 

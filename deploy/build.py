@@ -15,9 +15,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from deploy import snapshot as snap
-from deploy.buildinfo import MANIFEST_NAME, BuildFile, BuildInfo, compute_build_id, sha256_file
+from deploy.buildinfo import (
+    MANIFEST_NAME,
+    BuildFile,
+    BuildInfo,
+    compute_build_id,
+    sha256_file,
+)
 from deploy.errors import ConfigError
-from deploy.series import SHIPPED_UTILS, Entry, Series, apply_series, check_header, load_series, patch_files
+from deploy.series import (
+    SHIPPED_UTILS,
+    Entry,
+    Series,
+    apply_series,
+    check_header,
+    load_series,
+    patch_files,
+)
 
 REPO_ROOT = snap.REPO_ROOT
 PATCHES_DIR = REPO_ROOT / "patches"

@@ -10,7 +10,14 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+)
 from rich.table import Table
 
 from checks.base import FAIL, PASS, SKIP, Context, GateResult
@@ -20,7 +27,13 @@ from deploy.build import BUILD_ROOT, DDTREE_UTILS, PATCHES_DIR, Inputs, build
 from deploy.cli import app
 from deploy.errors import GateFailed, SnapshotError, UsageError
 from deploy.refresh import refresh as refresh_patch
-from deploy.series import check_header, load_series, parse_header, patch_files, split_header
+from deploy.series import (
+    check_header,
+    load_series,
+    parse_header,
+    patch_files,
+    split_header,
+)
 from deploy.ui import console, emit_json, ok, warn
 
 snapshot_app = typer.Typer(help="Check or re-import the vendored upstream SGLang files.", no_args_is_help=True)

@@ -21,7 +21,13 @@ from pathlib import Path
 from deploy.build import Inputs, Prepared, assemble, prepare, tree_files
 from deploy.buildinfo import MANIFEST_NAME, sha256_file
 from deploy.errors import ConfigError, DDTreeDeployError, UsageError
-from deploy.series import SHIPPED_UTILS, apply_series, diff_file, patch_files, split_header
+from deploy.series import (
+    SHIPPED_UTILS,
+    apply_series,
+    diff_file,
+    patch_files,
+    split_header,
+)
 from deploy.snapshot import check_relpath
 
 _LAST_UPDATE_RE = re.compile(r"^(Last-Update:[ \t]*).*$", re.M | re.I)
