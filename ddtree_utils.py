@@ -63,26 +63,29 @@ _MAG31 = 0x7FFFFFFF
 # ----------------------------------------------------------------------------------------------
 
 
-def _chunked_logsumexp(logits: Tensor, chunk_size: int) -> Tensor:
+def _chunked_logsumexp(
+    logits: Tensor, chunk_size: int, peak: Tensor | None = None
+) -> Tensor:
     """float32 logsumexp over the last dim, reading ``chunk_size`` columns at a time.
 
-    Memory stays at ``rows * chunk_size`` float32 temporaries. Rows of all ``-inf`` give ``-inf``;
-    NaN propagates; ``+inf`` gives ``+inf``.
+    ``peak`` (``[..., 1]``, e.g. the top-1 logit from a top-k) is the shift; without it the row
+    maximum is computed. Temporaries stay at ``rows * chunk_size`` float32. Rows of all ``-inf``
+    give ``-inf``; NaN propagates; ``+inf`` gives ``+inf``.
     """
-    vocab = logits.shape[-1]
-    parts = []
-    for start in range(0, vocab, chunk_size):
-        chunk = logits[..., start : start + chunk_size].float()
-        peak = chunk.amax(dim=-1, keepdim=True)
-        shift = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
-        total = (chunk - shift).exp_().sum(dim=-1, keepdim=True)
-        parts.append(shift + total.log_())
-    if len(parts) == 1:
-        return parts[0].squeeze(-1)
-    stacked = torch.cat(parts, dim=-1)
-    peak = stacked.amax(dim=-1, keepdim=True)
+    if peak is None:
+        peak = logits.amax(dim=-1, keepdim=True)
+    peak = peak.float()
     shift = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
-    return (shift + (stacked - shift).exp().sum(dim=-1, keepdim=True).log()).squeeze(-1)
+    total = None
+    for start in range(0, logits.shape[-1], chunk_size):
+        part = (
+            (logits[..., start : start + chunk_size] - shift)
+            .exp_()
+            .sum(dim=-1, keepdim=True)
+        )
+        total = part if total is None else total.add_(part)
+    assert total is not None
+    return (shift + total.log_()).squeeze(-1)
 
 
 def _check_lse(lse: Tensor) -> None:
@@ -133,7 +136,7 @@ def draft_topk_logprobs(
             torch.empty(shape, dtype=torch.int64, device=logits.device),
         )
     vals, ids = torch.topk(logits, kk, dim=-1, largest=True, sorted=True)
-    lse = _chunked_logsumexp(logits, chunk_size)
+    lse = _chunked_logsumexp(logits, chunk_size, vals[..., :1])
     if validate:
         _check_lse(lse)
     return _logp_from(vals, lse), ids
@@ -154,7 +157,7 @@ def shard_topk_stats(
     """
     kk = min(k, logits_shard.shape[-1])
     vals, ids = torch.topk(logits_shard, kk, dim=-1, largest=True, sorted=True)
-    lse = _chunked_logsumexp(logits_shard, 32768)
+    lse = _chunked_logsumexp(logits_shard, 32768, vals[..., :1])
     return vals.float(), ids + vocab_offset, lse
 
 
@@ -503,19 +506,17 @@ def tree_custom_mask(tree_mask: Tensor, seq_lens: Tensor | list[int]) -> Tensor:
         raise ValueError(f"seq_lens has {len(lens)} entries for {bs} requests")
     if bs == 0:
         return torch.zeros(0, dtype=torch.bool, device=device)
-    row_len = torch.tensor([s + n for s in lens], dtype=torch.int64, device=device)
-    sizes = row_len * n
-    total = int(sum((s + n) * n for s in lens))
-    req = torch.repeat_interleave(
-        torch.arange(bs, device=device), sizes, output_size=total
-    )
-    offset = torch.cumsum(sizes, 0) - sizes
-    local = torch.arange(total, device=device) - offset[req]
-    width = row_len[req]
-    row, col = local // width, local % width
-    prefix = width - n
-    tree_col = (col - prefix).clamp_min(0)
-    return (col < prefix) | tree_mask[req, row, tree_col]
+    lens_t = torch.tensor(lens, dtype=torch.int64, device=device)
+    sizes = (lens_t + n) * n
+    total = sum((s + n) * n for s in lens)
+    out = torch.ones(total, dtype=torch.bool, device=device)
+    # only the bs*N*N tree-block entries differ from True: scatter them into place
+    offset = (torch.cumsum(sizes, 0) - sizes + lens_t).view(bs, 1, 1)
+    i = torch.arange(n, device=device).view(1, n, 1)
+    j = torch.arange(n, device=device).view(1, 1, n)
+    where = offset + i * (lens_t.view(bs, 1, 1) + n) + j
+    out[where.reshape(-1)] = tree_mask.reshape(-1)
+    return out
 
 
 def compile_tree(

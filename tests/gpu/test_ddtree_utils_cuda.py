@@ -1,0 +1,159 @@
+"""ddtree_utils on CUDA: same results as the CPU reference, and capturable in a CUDA graph."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ddtree_utils as du
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+def quantised(bs, depth, vocab, levels, seed, device="cuda"):
+    gen = torch.Generator().manual_seed(seed)
+    logits = (
+        torch.randint(0, levels, (bs, depth, vocab), generator=gen).float() / levels * 6
+    )
+    return logits.to(device)
+
+
+@pytest.mark.parametrize("budget", [1, 16, 64, 257])
+@pytest.mark.parametrize("levels", [4, 10**6])
+def test_cuda_builder_equals_cpu_heap(budget, levels):
+    logits = quantised(5, 15, 700, levels, budget + levels)
+    lp, ids = du.draft_topk_logprobs(logits, budget)
+    valid = torch.tensor([True, False, True, True, True], device="cuda")
+    got = du.build_tree(
+        lp, ids, budget, valid=valid, topk_cap=48 if budget > 60 else None
+    )
+    assert got.tokens.device.type == "cuda"
+    want = du.build_tree_reference(
+        lp.cpu(),
+        ids.cpu(),
+        budget,
+        valid=valid.cpu(),
+        topk_cap=48 if budget > 60 else None,
+    )
+    for name, a, b in zip(want._fields, want, got):
+        assert torch.equal(a, b.cpu()), name
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_cuda_topk_logprobs_match_cpu(dtype):
+    gen = torch.Generator().manual_seed(3)
+    logits = (torch.randn(4, 15, 151936, generator=gen) * 3).to(dtype)
+    lp, ids = du.draft_topk_logprobs(logits.cuda(), 64)
+    ref = torch.log_softmax(logits.double(), -1).topk(64, dim=-1)
+    assert torch.allclose(lp.cpu().double(), ref.values, atol=2e-4)
+    # ids agree except where two logits are exactly equal (bf16 has many such ties)
+    same = ids.cpu() == ref.indices
+    assert same.float().mean() > 0.99 if dtype != torch.float32 else same.all()
+    nan = logits.cuda().clone()
+    nan[2, 3, 5] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        du.draft_topk_logprobs(nan, 8)
+
+
+def test_cuda_compile_matches_cpu():
+    lp, ids = du.draft_topk_logprobs(quantised(3, 15, 300, 5, 1), 64)
+    tree = du.build_tree(lp, ids, 64)
+    seq = torch.tensor([7, 0, 130])
+    bonus = torch.tensor([1, 2, 3])
+    got = du.compile_tree(
+        tree, bonus.cuda(), seq.cuda(), seq_lens_cpu=seq.tolist(), max_depth=15
+    )
+    want = du.compile_tree(
+        du.DDTree(*(t.cpu() for t in tree)), bonus, seq, max_depth=15
+    )
+    for name, a, b in zip(want._fields, want, got):
+        assert torch.equal(a, b.cpu()), name
+    cand = got.draft_tokens.view(3, 65)
+    predict = torch.randint(0, 300, (3, 65), device="cuda")
+    acc = du.verify_greedy_reference(
+        cand, got.retrieve_next_token, got.retrieve_next_sibling, predict, 15
+    )
+    acc_cpu = du.verify_greedy_reference(
+        cand.cpu(),
+        want.retrieve_next_token,
+        want.retrieve_next_sibling,
+        predict.cpu(),
+        15,
+    )
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(acc, acc_cpu))
+
+
+def test_build_and_compile_replay_in_cuda_graph():
+    """Static shapes and no host sync: capture once, replay on new inputs, equal to eager."""
+    bs, budget = 8, 64
+    first = du.draft_topk_logprobs(quantised(bs, 15, 500, 7, 10), budget)
+    static_lp, static_ids = first[0].clone(), first[1].clone()
+    bonus = torch.arange(bs, device="cuda")
+    seq = torch.full((bs,), 100, device="cuda")
+
+    def step():
+        tree = du.build_tree(static_lp, static_ids, budget)
+        return tree, du.compile_tree(
+            tree, bonus, seq, build_custom_mask=False, max_depth=15
+        )
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_tree, out_ct = step()
+    for seed in (11, 12):
+        lp, ids = du.draft_topk_logprobs(quantised(bs, 15, 500, 7, seed), budget)
+        static_lp.copy_(lp)
+        static_ids.copy_(ids)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = du.build_tree_reference(lp, ids, budget)
+        for name, a, b in zip(want._fields, want, out_tree):
+            assert torch.equal(a.cpu(), b.cpu()), name
+        eager = du.compile_tree(want, bonus, seq, build_custom_mask=False, max_depth=15)
+        for name, a, b in zip(eager._fields, eager, out_ct):
+            assert torch.equal(a.cpu(), b.cpu()), name
+
+
+def test_greedy_reference_matches_sgl_kernel():
+    """The oracle against sgl_kernel.verify_tree_greedy, where that kernel is installed."""
+    sgl_kernel = pytest.importorskip("sgl_kernel")
+    bs, budget = 6, 32
+    lp, ids = du.draft_topk_logprobs(quantised(bs, 15, 40, 1000, 5), budget)
+    tree = du.build_tree(lp, ids, budget)
+    ct = du.compile_tree(
+        tree,
+        torch.zeros(bs, dtype=torch.int64, device="cuda"),
+        torch.zeros(bs, dtype=torch.int64, device="cuda"),
+        build_custom_mask=False,
+    )
+    n = budget + 1
+    cand = ct.draft_tokens.view(bs, n)
+    # a target that mostly follows the first child, so paths are long
+    first = cand.gather(1, ct.retrieve_next_token.clamp_min(0))
+    noise = torch.randint(0, 40, (bs, n), device="cuda")
+    predict = torch.where(torch.rand(bs, n, device="cuda") < 0.8, first, noise)
+    accept_index = torch.full((bs, 16), -1, dtype=torch.int32, device="cuda")
+    accept_num = torch.zeros(bs, dtype=torch.int32, device="cuda")
+    predicts = torch.zeros(bs * n + 1, dtype=torch.int32, device="cuda")
+    sgl_kernel.verify_tree_greedy(
+        predicts, accept_index, accept_num, cand, ct.retrieve_index,
+        ct.retrieve_next_token, ct.retrieve_next_sibling, predict,
+    )  # fmt: skip
+    acc, acc_len, bonus = du.verify_greedy_reference(
+        cand, ct.retrieve_next_token, ct.retrieve_next_sibling, predict, 15
+    )
+    plan = du.accept_plan(
+        accept_index.long(), accept_num.long(), torch.arange(bs * n), flat_index=True
+    )
+    assert torch.equal(accept_num.long(), acc_len)
+    assert torch.equal(plan.last_node, acc.gather(1, acc_len.view(bs, 1)).view(bs))
+    last_flat = plan.last_node + torch.arange(bs, device="cuda") * n
+    assert torch.equal(predicts.long()[last_flat], bonus)
