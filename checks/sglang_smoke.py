@@ -164,12 +164,93 @@ def probe_server_args(models_root: Path) -> dict:
 
 
 def probe_verify() -> str:
-    """One tiny DDTreeVerifyInput verify against ddtree_utils' reference, when the build has it."""
+    """One tiny greedy DDTreeVerifyInput verify against ddtree_utils' reference, when present.
+
+    Real ReqToTokenPool, TokenToKVPoolAllocator, ChunkCache and Req objects on CPU; the
+    ScheduleBatch is a namespace holding just the fields verify reads (a full ScheduleBatch
+    needs a running scheduler). Request 0's target agrees with the first child at every node
+    (a path is accepted); request 1's target agrees with nothing (only the bonus).
+    """
+    from types import SimpleNamespace
+
+    import torch
+    from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.chunk_cache import ChunkCache
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang.srt.sampling.sampling_params import SamplingParams
     from sglang.srt.speculative import dflash_info
+    from sglang.srt.speculative import ddtree_utils as du
 
     if not hasattr(dflash_info, "DDTreeVerifyInput"):
         return "DDTreeVerifyInput not in this build: verify skipped"
-    return "DDTreeVerifyInput present (verify probe not written yet)"
+    gen = torch.Generator().manual_seed(0)
+    bs, depth, vocab, budget, hid = 2, 4, 12, 5, 3
+    n = budget + 1
+    topk_logp, topk_ids = du.draft_topk_logprobs(torch.randn(bs, depth, vocab, generator=gen), 3)
+    seq_lens = torch.tensor([5, 3])
+    ct = du.compile_tree(du.build_tree_reference(topk_logp, topk_ids, budget), torch.tensor([7, 9]), seq_lens)
+    cand = ct.draft_tokens.view(bs, n)
+    first_child = cand.gather(1, ct.retrieve_next_token.clamp(min=0))
+    predict = torch.where(ct.retrieve_next_token >= 0, first_child, torch.full_like(first_child, vocab - 1))
+    predict[1, 0] = next(t for t in range(vocab) if t not in cand[1].tolist())  # root child: none
+
+    pool = ReqToTokenPool(size=4, max_context_len=64, device="cpu", enable_memory_saver=False)
+    alloc = TokenToKVPoolAllocator(size=128, dtype=torch.bfloat16, device="cpu", kvcache=None, need_sort=False)
+    cache = ChunkCache(CacheInitParams(disable=True, req_to_token_pool=pool, token_to_kv_pool_allocator=alloc,
+                                       page_size=1))
+    params = SamplingParams(max_new_tokens=64)
+    params.normalize(None)  # what the tokenizer manager does (stop strings -> lists)
+    reqs = [Req(rid=f"r{b}", origin_input_text="", origin_input_ids=list(range(3, 3 + int(seq_lens[b]))),
+                sampling_params=params, vocab_size=vocab) for b in range(bs)]
+    rpi = torch.tensor([1, 2])
+    for b in range(bs):
+        pool.req_to_token[rpi[b], : int(seq_lens[b])] = alloc.alloc(int(seq_lens[b])).to(pool.req_to_token.dtype)
+    batch = SimpleNamespace(
+        forward_mode=ForwardMode.TARGET_VERIFY, reqs=reqs, device="cpu", tree_cache=cache,
+        req_to_token_pool=pool, token_to_kv_pool_allocator=alloc, req_pool_indices=rpi,
+        seq_lens=seq_lens.clone(), seq_lens_cpu=seq_lens.clone(), seq_lens_sum=int(seq_lens.sum()),
+        sampling_info=None, input_ids=None, out_cache_loc=None, batch_size=lambda: bs,
+    )
+    vi = dflash_info.DDTreeVerifyInput(
+        draft_token=ct.draft_tokens, positions=ct.positions, draft_token_num=n, custom_mask=ct.custom_mask,
+        retrieve_index=ct.retrieve_index, retrieve_next_token=ct.retrieve_next_token,
+        retrieve_next_sibling=ct.retrieve_next_sibling, max_depth=depth,
+    )
+    vi.prepare_for_verify(batch, page_size=1)
+    slots = batch.out_cache_loc.clone()
+    free_before = alloc.available_size()
+    logits = torch.nn.functional.one_hot(predict.view(-1), vocab).float() * 8
+    hidden = torch.randn(bs * n, hid, generator=gen)
+    out = LogitsProcessorOutput(next_token_logits=logits, hidden_states=hidden.clone())
+    new_bonus, commit_lens, next_hidden, _ = vi.verify(batch=batch, logits_output=out, page_size=1)
+
+    acc_idx, acc_len, bonus = du.verify_greedy_reference(cand, ct.retrieve_next_token, ct.retrieve_next_sibling,
+                                                         predict, depth)
+    plan = du.accept_plan(acc_idx, acc_len, slots)
+    checks = {
+        "bonus": torch.equal(new_bonus.long(), bonus),
+        "commit_lens": torch.equal(commit_lens.long(), acc_len + 1),
+        "one path accepted": int(acc_len[0]) >= 1 and int(acc_len[1]) == 0,
+        "freed slots": alloc.available_size() - free_before == bs * n - int((acc_len + 1).sum()),
+        "hidden": torch.equal(next_hidden, hidden[plan.hidden_index]),
+        "seq_lens": torch.equal(batch.seq_lens, seq_lens + acc_len + 1),
+    }
+    start = 0
+    for b in range(bs):
+        c, s0 = int(acc_len[b]) + 1, int(seq_lens[b])
+        path = cand[b, acc_idx[b, 1:c]].tolist() + [int(bonus[b])]
+        checks[f"output_ids[{b}]"] = list(reqs[b].output_ids) == path
+        written = pool.req_to_token[rpi[b], s0 : s0 + c].long()
+        checks[f"req_to_token[{b}]"] = torch.equal(written, plan.keep_slots[start : start + c])
+        start += c
+    bad = [k for k, ok in checks.items() if not ok]
+    if bad:
+        raise AssertionError(f"DDTreeVerifyInput.verify differs from ddtree_utils' reference: {bad}")
+    return f"tree verify matches the reference (accepted {acc_len.tolist()})"
 
 
 def probe_main(build_dir: Path, overlay_root: Path) -> int:
