@@ -17,7 +17,7 @@ from pathlib import Path
 
 from checks.base import FAIL, PASS, Context, GateResult, Step
 from deploy.errors import ConfigError
-from deploy.series import git_env
+from deploy.series import run_git
 
 NUMBER, NAME = 5, "lint (changed lines)"
 _HUNK_RE = re.compile(r"^@@ -\d+(?:,\d+)? \+(\d+)(?:,(\d+))? @@", re.MULTILINE)
@@ -48,8 +48,7 @@ def ruff(paths: list[Path]) -> dict[str, list[dict]]:
 
 def changed_lines(old: Path, new: Path) -> set[int]:
     """Line numbers of `new` that differ from `old` (git diff -U0 hunks)."""
-    proc = subprocess.run(["git", "diff", "--no-index", "--no-color", "-U0", "--", str(old), str(new)],
-                          cwd=new.parent, env=git_env(new.parent), capture_output=True, text=True, check=False)
+    proc = run_git(["diff", "--no-index", "--no-color", "-U0", "--", str(old), str(new)], new.parent)
     lines: set[int] = set()
     for m in _HUNK_RE.finditer(proc.stdout):
         start, count = int(m.group(1)), int(m.group(2) or 1)

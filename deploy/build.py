@@ -6,6 +6,8 @@ step succeeded, so `build/` never holds a half-applied tree. The output is byte-
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -37,6 +39,7 @@ REPO_ROOT = snap.REPO_ROOT
 PATCHES_DIR = REPO_ROOT / "patches"
 BUILD_ROOT = REPO_ROOT / "build"
 DDTREE_UTILS = REPO_ROOT / "ddtree_utils.py"
+LOCK_NAME = ".build.lock"
 
 
 @dataclass
@@ -143,8 +146,24 @@ class BuildResult:
 def build(inputs: Inputs, *, on_patch: Callable[[Entry], None] | None = None) -> BuildResult:
     """Build `build/sglang-<version>/` from scratch; on any error `build/` is left as it was."""
     p = prepare(inputs)
-    final = p.build_dir
     Path(inputs.build_root).mkdir(parents=True, exist_ok=True)
+    with _locked(Path(inputs.build_root) / LOCK_NAME):
+        return _build_locked(p, inputs, on_patch)
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    """One build at a time per build root (a second one waits)."""
+    with open(path, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _build_locked(p: Prepared, inputs: Inputs, on_patch) -> BuildResult:
+    final = p.build_dir
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=inputs.build_root))
     old = None
     try:

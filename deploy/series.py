@@ -217,6 +217,15 @@ def git_env(workdir: Path) -> dict[str, str]:
     return env
 
 
+def run_git(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """Run git on a plain directory (see git_env); a missing git is a clear usage error."""
+    try:
+        return subprocess.run(["git", *args], cwd=cwd, env=git_env(Path(cwd)), capture_output=True,
+                              text=True, check=False)
+    except FileNotFoundError:
+        raise ConfigError("git not found: install git (patches are applied with `git apply`)") from None
+
+
 _FAILED_RE = re.compile(r"^error: patch failed: (.+):(\d+)$", re.M)
 _FILE_ERR_RE = re.compile(r"^error: (.+?): (No such file or directory|already exists in working directory|does not exist in index|patch does not apply|does not match index)$", re.M)
 _OFFSET_RE = re.compile(r"^Checking patch (.+?)\.\.\.$|^Hunk #(\d+) succeeded at (\d+) \(offset (-?\d+) lines?\)\.$", re.M)
@@ -258,9 +267,8 @@ def apply_patch(tree: Path, patch: Path, *, reverse: bool = False, allow_offset:
     patch leaves the tree untouched. Hunks that only apply at a line offset are an error unless
     `allow_offset`; then they are returned as warnings. PatchApplyError (exit 3) names the hunk."""
     tree, patch = Path(tree), Path(patch).resolve()
-    base = ["git", "apply", "-v", "-p1", "--whitespace=nowarn"] + (["-R"] if reverse else [])
-    env = git_env(tree)
-    proc = subprocess.run(base + ["--check", str(patch)], cwd=tree, env=env, capture_output=True, text=True)
+    base = ["apply", "-v", "-p1", "--whitespace=nowarn"] + (["-R"] if reverse else [])
+    proc = run_git(base + ["--check", str(patch)], tree)
     output = proc.stdout + proc.stderr
     if proc.returncode != 0:
         raise PatchApplyError(_explain(patch, output, reverse), detail=_indent("git apply said:", output))
@@ -269,7 +277,7 @@ def apply_patch(tree: Path, patch: Path, *, reverse: bool = False, allow_offset:
     if warnings and not allow_offset:
         raise PatchApplyError(warnings[0].replace("applies only", "does not apply exactly; it applies only"))
     if not check_only:
-        proc = subprocess.run(base + [str(patch)], cwd=tree, env=env, capture_output=True, text=True)
+        proc = run_git(base + [str(patch)], tree)
         if proc.returncode != 0:  # pragma: no cover - --check passed just before
             raise PatchApplyError(_explain(patch, proc.stdout + proc.stderr, reverse))
     return warnings
@@ -297,9 +305,8 @@ def diff_file(old_root: Path, new_root: Path, relpath: str) -> str:
     if not old.exists() and not new.exists():
         return ""
     args = [str(old) if old.exists() else os.devnull, str(new) if new.exists() else os.devnull]
-    proc = subprocess.run(
-        ["git", "diff", "--no-index", "--no-color", "--no-ext-diff", "--no-renames", "-U3", "--"] + args,
-        cwd=Path(new_root), env=git_env(Path(new_root)), capture_output=True, text=True)
+    proc = run_git(["diff", "--no-index", "--no-color", "--no-ext-diff", "--no-renames", "-U3", "--", *args],
+                   Path(new_root))
     if proc.returncode not in (0, 1):
         raise ConfigError(f"git diff failed on {relpath}: {proc.stderr.strip()}")
     out = []
