@@ -156,6 +156,29 @@ def print_table(rows: list[dict], header: bool = True) -> None:
         print(" | ".join(cells), flush=True)
 
 
+MD_COLUMNS = [
+    ("bs", "bs"), ("B", "B"), ("bare_topk", "bare topk"), ("topk_logp", "topk+logp"),
+    ("logp_over_bare", "ratio"), ("naive_logp", "log_softmax+topk"), ("build", "build"),
+    ("build_compile", "build+compile"), ("graph", "graph replay"), ("custom_mask", "custom mask"),
+    ("heap", "heap ref"), ("heap_over_fast", "heap / fast"), ("exact", "exact"),
+]  # fmt: skip
+
+
+def render_markdown(path: Path) -> str:
+    """A BENCHMARKS.md table (milliseconds, medians) from a JSON file written by --out."""
+    data = json.loads(path.read_text())
+    rows = data["rows"]
+    cols = [(k, t) for k, t in MD_COLUMNS if any(k in r for r in rows)]
+    lines = ["| " + " | ".join(t for _, t in cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        cells = []
+        for k, _ in cols:
+            v = r.get(k, "")
+            cells.append(f"{v:.3f}" if isinstance(v, float) else str(v))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -173,7 +196,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path)
+    p.add_argument(
+        "--render", type=Path, help="print a markdown table from a JSON file and exit"
+    )
     args = p.parse_args(argv)
+    if args.render:
+        print(render_markdown(args.render))
+        return 0
     device = torch.device(args.device)
     time_it = timer(device)
     gen = torch.Generator(device=device).manual_seed(args.seed)
