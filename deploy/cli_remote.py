@@ -27,7 +27,7 @@ from deploy.plan import add_diffs, make_plan
 from deploy.releases import Events, Outcome, run_host
 from deploy.snapshot import PINNED_VERSION
 from deploy.transport import connect
-from deploy.ui import console, emit_json, error, ok, warn
+from deploy.ui import console, emit_json, ok, warn
 
 DEFAULT_BUILD = Path(__file__).resolve().parent.parent / "build" / f"sglang-{PINNED_VERSION}"
 GATES_RECORD = "GATES.json"  # optional, written by the build's quality gates: {"ok": bool, ...}
@@ -41,11 +41,16 @@ STATUS_STYLE = {CURRENT: "[green]current[/]", PRISTINE: "[cyan]pristine[/]", DEP
                 DRIFTED: "[bold red]drifted[/]", MISSING: "[bold red]missing[/]"}
 
 
-def _fail(exc: DDTreeDeployError) -> typer.Exit:
-    error(exc.message)
-    if exc.detail:
-        console.print(exc.detail, markup=False, highlight=False)
-    return typer.Exit(exc.exit_code)
+def _fail(exc: DDTreeDeployError) -> DDTreeDeployError:
+    """Re-raise as is: deploy.cli.main prints it and exits with its code."""
+    return exc
+
+
+def _exit(code: int, message: str) -> DDTreeDeployError:
+    """A failure whose exit code is that of the worst host (the per-host table is already printed)."""
+    exc = DDTreeDeployError(message)
+    exc.exit_code = code
+    return exc
 
 
 def _load_build(path: Path) -> BuildInfo:
@@ -156,7 +161,8 @@ def push(
         emit_json({"action": "push", "build_id": b.build_id, "ok": code == EXIT_OK, "exit_code": code,
                    "results": [o.to_json() for o in outs]})
     if code:
-        raise typer.Exit(code)
+        failed = [o.host for o in outs if not o.ok]
+        raise _exit(code, f"push failed on {', '.join(failed)} (exit {code}); see the table above")
 
 
 @app.command()
@@ -178,7 +184,7 @@ def rollback(
     if json_out:
         emit_json({"action": "rollback", "ok": outs[0].ok, "exit_code": outs[0].code, "results": [o.to_json() for o in outs]})
     if outs[0].code:
-        raise typer.Exit(outs[0].code)
+        raise _exit(outs[0].code, f"rollback of {host} failed (exit {outs[0].code}): {outs[0].message}")
 
 
 @app.command()

@@ -124,7 +124,7 @@ class Host(_Strict):
     port: int | None = Field(default=None, ge=1, le=65535)
     user: str | None = None
     identity_file: str | None = None
-    known_hosts: str = "~/.ssh/known_hosts"
+    known_hosts: str | None = None  # default: ssh_config UserKnownHostsFile, else ~/.ssh/known_hosts
     ssh_config: str | None = None  # default: ~/.ssh/config when it exists
     gateway: str | None = None  # another inventory host used as jump host
     connect_timeout_s: float = Field(default=15.0, gt=0)

@@ -1,0 +1,157 @@
+"""Fixtures for the deploy tests: one session-wide test bed (sshd x2, netns, supervisors, three
+hosts with their own real sglang install), the project's real build and some broken variants."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import deploy_testbed as tb
+
+VENV_BIN = Path(sys.executable).parent
+CLI = VENV_BIN / "ddtree-deploy"
+
+
+def _need_root_tools() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root (sshd, network namespaces)"
+    for tool in (tb.SSHD, shutil.which("ip"), shutil.which("start-stop-daemon"), shutil.which("ssh-keygen")):
+        if not tool or not Path(tool).exists():
+            return "needs openssh-server, iproute2 and start-stop-daemon (.ci/run installs them)"
+    return None
+
+
+@pytest.fixture(scope="session")
+def site_cache() -> Path:
+    try:
+        return tb.sglang_site()
+    except subprocess.CalledProcessError as exc:
+        pytest.skip(f"cannot install the sglang {tb.SGLANG_VERSION} wheel for the test hosts: {exc.stderr[-300:]}")
+
+
+@pytest.fixture(scope="session")
+def builds(tmp_path_factory, site_cache):
+    """good: the project's real build; broken variants differ only in ddtree_utils.py."""
+    root = tmp_path_factory.mktemp("builds")
+    try:
+        good = tb.real_build(root / "real")
+    except Exception as exc:  # the builder is another engineer's work in progress: keep testing deploy
+        print(f"real build unavailable ({exc}); using the fallback build")
+        good = tb.fallback_build(site_cache, root / "fallback")
+    utils = "srt/speculative/ddtree_utils.py"
+    base = good.path_of(utils).read_bytes()
+    in_service = b'\nimport os as _os\nif _os.environ.get("DDTREE_TEST_SERVICE_ENV") == "1":\n    %s\n'
+    return {
+        "good": good,
+        # fails wherever it is imported: the pre-swap import check must catch it
+        "bad_import": tb.derive_build(good, root / "bad_import", {utils: base + b'\nraise ImportError("ddtree test build: broken at import")\n'}),
+        # imports fine in the deploy's import check, fails inside the service (its unit sets the env var):
+        # stands in for failures that only show in the service's own environment (GPU, unit env)
+        "bad_service": tb.derive_build(good, root / "bad_service", {utils: base + in_service % b'raise RuntimeError("ddtree test build: fails at import inside the service")'}),
+        # the service hangs while loading: stands in for a model load that outlasts the deadline
+        "hang_service": tb.derive_build(good, root / "hang_service", {utils: base + in_service % b'import time; time.sleep(3600)'}),
+        "syntax": tb.derive_build(good, root / "syntax", {utils: base + b"\ndef broken(:\n"}),
+    }
+
+
+@pytest.fixture(scope="session")
+def algorithm(builds) -> str:
+    """DDTREE once the patch series adds it to spec_info.py, else DFLASH."""
+    spec = builds["good"].path_of("srt/speculative/spec_info.py").read_text()
+    return "DDTREE" if "DDTREE" in spec else "DFLASH"
+
+
+@pytest.fixture(scope="session")
+def bed(tmp_path_factory, site_cache, algorithm):
+    why = _need_root_tools()
+    if why:
+        pytest.skip(why)
+    root = tmp_path_factory.mktemp("bed")
+    ssh = tb.ssh_bed(root / "ssh")
+    hosts = {
+        "ct200": tb.make_host("ct200", root / "ct200", site_cache, algorithm),
+        "gpu-b": tb.make_host("gpu-b", root / "gpu-b", site_cache, algorithm),
+        # `local` keeps DFLASH, valid on pristine and patched SGLang alike, so it can go back to pristine
+        "local": tb.make_host("local", root / "local", site_cache, "DFLASH"),
+    }
+    tb.setup_systemd(hosts["ct200"])
+    sup_conf = tb.setup_supervisor(hosts["gpu-b"], ssh.ns)
+    inv = root / "hosts.toml"
+    inv.write_text(inventory_text(ssh, hosts, sup_conf))
+    state = root / "deploy-state"
+    yield {"ssh": ssh, "hosts": hosts, "inventory": inv, "root": root, "supervisor": sup_conf, "local_state": state}
+    # teardown: services, supervisord, sshd, netns
+    for name in ("ct200",):
+        tb.sh(str(hosts[name].root / "bin" / "systemctl"), "stop", "sglang", check=False)
+    tb.sh("start-stop-daemon", "--stop", "--quiet", "--pidfile", str(hosts["local"].root / "run" / "service.pid"),
+          "--retry", "TERM/10/KILL/5", "--remove-pidfile", "--oknodo", check=False)
+    tb.sh(str(VENV_BIN / "supervisorctl"), "-c", str(sup_conf), "shutdown", check=False)
+    ssh.down()
+
+
+def host_toml(ssh, h, sup_conf, *, deadline: float = 240, known_hosts: Path | None = None) -> str:
+    """One [hosts.<name>] table for a test host."""
+    common = textwrap.dedent(f"""\
+        python = "{h.python}"
+        state_dir = "{h.state}"
+        keep_releases = 3
+        command_timeout_s = 120
+        """)
+    health = textwrap.dedent(f"""\
+        [hosts.{h.name}.health]
+        url = "http://127.0.0.1:{h.port}"
+        deadline_s = {deadline}
+        interval_s = 0.5
+        expect_algorithm = "{h.algorithm}"
+        smoke = {{ text = "The capital of France is", max_new_tokens = 6 }}
+        """)
+    if h.name == "ct200":
+        kh = known_hosts or ssh.known_hosts
+        return textwrap.dedent(f"""\
+            [hosts.ct200]
+            address = "127.0.0.1"
+            port = {ssh.port}
+            user = "root"
+            identity_file = "{ssh.client_key}"
+            known_hosts = "{kh}"
+            connect_timeout_s = 5
+            env = {{ PATH = "{h.root}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin" }}
+            """) + common + textwrap.dedent(f"""\
+            restart = {{ strategy = "systemd", unit = "sglang.service", log_file = "{h.root}/run/sglang.log" }}
+            """) + health
+    if h.name == "gpu-b":
+        return textwrap.dedent(f"""\
+            [hosts.gpu-b]
+            ssh_alias = "gpu-b"
+            ssh_config = "{ssh.ssh_config}"
+            connect_timeout_s = 5
+            """) + common + textwrap.dedent(f"""\
+            restart = {{ strategy = "supervisor", program = "sglang", supervisorctl = "{VENV_BIN}/supervisorctl", config = "{sup_conf}", log_file = "{h.root}/run/service.log" }}
+            """) + health
+    argv = ", ".join(f'"{a}"' for a in ["/usr/bin/env", "DDTREE_TEST_SERVICE_ENV=1", *tb.service_argv(h)])
+    return "[hosts.local]\n" + common + textwrap.dedent(f"""\
+        restart = {{ strategy = "pidfile", pidfile = "{h.root}/run/service.pid", command = [{argv}], chdir = "{h.root}", log_file = "{h.root}/run/service.log" }}
+        """) + health
+
+
+def inventory_text(ssh, hosts, sup_conf, **kw) -> str:
+    return "\n".join(host_toml(ssh, h, sup_conf, **kw) for h in hosts.values())
+
+
+@pytest.fixture
+def cli_env(bed, tmp_path):
+    """Environment for running the real console script against the test inventory."""
+    env = dict(os.environ, DDTREE_DEPLOY_HOSTS=str(bed["inventory"]), DDTREE_DEPLOY_STATE=str(tmp_path / "deploy-state"),
+               COLUMNS="160")
+    env.pop("DDTREE_DEPLOY_TEST_DROP_AFTER_PUTS", None)
+    return env
+
+
+def run_cli(args: list[str], env: dict, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([str(CLI), *args], env=env, capture_output=True, text=True, timeout=timeout)

@@ -1,0 +1,304 @@
+"""The deploy test bed: real sshd servers (loopback + a network namespace behind it as ProxyJump),
+real supervisors (start-stop-daemon, supervisord, a systemctl shim over start-stop-daemon) and
+"remote" SGLang installs (the real sglang wheel, installed per host with `pip --target`)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from deploy.buildinfo import MANIFEST_NAME, BuildFile, BuildInfo, compute_build_id, load_build, sha256_file
+
+REPO = Path(__file__).resolve().parents[2]
+SGLANG_VERSION = "0.5.13.post1"
+SERVICE = Path(__file__).with_name("service") / "server.py"
+SHIMS = Path(__file__).with_name("shims")
+SITE_CACHE = REPO / ".cache" / "deploy-tests" / f"site-{SGLANG_VERSION}"
+SSHD = "/usr/sbin/sshd"
+
+
+def sh(*args: str, check: bool = True, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(list(args), check=check, capture_output=True, text=True, **kw)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- the remote SGLang ------------------------------------------------------------------------------
+def sglang_site() -> Path:
+    """A pip --target install of the real sglang wheel (no deps), made once and cached."""
+    if (SITE_CACHE / "sglang" / "__init__.py").is_file():
+        return SITE_CACHE
+    tmp = SITE_CACHE.with_name(SITE_CACHE.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    wheels = sorted((REPO / ".cache" / "wheels").glob(f"sglang-{SGLANG_VERSION}-*.whl"))
+    src = [str(wheels[-1]), "--no-index"] if wheels else [f"sglang=={SGLANG_VERSION}"]
+    sh(sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(tmp), *src)
+    os.replace(tmp, SITE_CACHE)
+    return SITE_CACHE
+
+
+def tree_digest(root: Path) -> dict[str, str]:
+    """sha256 of every file under root except bytecode caches: 'the host's files, byte for byte'."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d != "__pycache__"]
+        for f in filenames:
+            p = Path(dirpath) / f
+            out[p.relative_to(root).as_posix()] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
+# -- builds -----------------------------------------------------------------------------------------
+def real_build(dest_root: Path) -> BuildInfo:
+    """The project's own build (snapshot + patch series + ddtree_utils.py)."""
+    from deploy.build import Inputs, build
+
+    return build(Inputs(build_root=dest_root)).info
+
+
+def derive_build(base: BuildInfo, dest: Path, changes: dict[str, bytes]) -> BuildInfo:
+    """A copy of `base` with some files replaced; manifest written with deploy.buildinfo."""
+    dest.mkdir(parents=True)
+    files = {}
+    for rel, f in base.files.items():
+        p = dest / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        if rel in changes:
+            p.write_bytes(changes[rel])
+        else:
+            shutil.copyfile(base.path_of(rel), p)
+        files[rel] = BuildFile(rel, sha256_file(p), p.stat().st_size, f.pristine_sha256)
+    info = BuildInfo(dest, base.sglang_version, compute_build_id({r: f.sha256 for r, f in files.items()}),
+                     base.series_sha256, base.snapshot_manifest_sha256, list(base.patches), files)
+    (dest / MANIFEST_NAME).write_text(json.dumps(info.to_json(), indent=2))
+    return load_build(dest)
+
+
+def fallback_build(site: Path, dest: Path) -> BuildInfo:
+    """Only when the project's builder cannot build: pristine files + a marker, plus ddtree_utils.py."""
+    dest.mkdir(parents=True)
+    files = {}
+    for rel in ("srt/speculative/spec_info.py", "srt/speculative/dflash_info.py", "srt/speculative/ddtree_utils.py"):
+        p = dest / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        orig = site / "sglang" / rel
+        pristine = sha256_file(orig) if orig.is_file() else None
+        data = (orig.read_bytes() if orig.is_file() else (REPO / "ddtree_utils.py").read_bytes()) + b"\n# ddtree test build\n"
+        p.write_bytes(data)
+        files[rel] = BuildFile(rel, sha256_file(p), len(data), pristine)
+    info = BuildInfo(dest, SGLANG_VERSION, compute_build_id({r: f.sha256 for r, f in files.items()}), "0" * 64, "0" * 64, [], files)
+    (dest / MANIFEST_NAME).write_text(json.dumps(info.to_json(), indent=2))
+    return load_build(dest)
+
+
+# -- ssh ------------------------------------------------------------------------------------------
+SSHD_CONFIG = """\
+Port {port}
+ListenAddress {addr}
+HostKey {hostkey}
+PidFile {pidfile}
+AuthorizedKeysFile {authkeys}
+PubkeyAuthentication yes
+PasswordAuthentication no
+KbdInteractiveAuthentication no
+UsePAM no
+PermitRootLogin prohibit-password
+# the keys live under /tmp (mode 1777), which StrictModes would refuse
+StrictModes no
+Subsystem sftp internal-sftp
+LogLevel VERBOSE
+"""
+
+
+@dataclass
+class SSHBed:
+    root: Path
+    port: int
+    ns: str
+    veth: str
+    ns_addr: str
+    client_key: Path
+    known_hosts: Path
+    ssh_config: Path
+    pids: list[Path] = field(default_factory=list)
+
+    def down(self) -> None:
+        for p in self.pids:
+            if p.is_file():
+                try:
+                    os.kill(int(p.read_text().strip()), 15)
+                except (ProcessLookupError, ValueError):
+                    pass
+        sh("ip", "link", "del", self.veth, check=False)
+        sh("ip", "netns", "del", self.ns, check=False)
+
+
+def ssh_bed(root: Path) -> SSHBed:
+    """sshd on 127.0.0.1:<free port> ("bastion") and sshd on port 22 in a fresh network namespace."""
+    root.mkdir(parents=True, exist_ok=True)
+    os.makedirs("/run/sshd", mode=0o755, exist_ok=True)
+    pid = os.getpid()
+    ns, veth = f"ddt{pid}", f"ddt{pid}a"
+    o2, o3 = 200 + pid % 50, (pid // 50) % 250
+    host_ip, ns_ip = f"10.{o2}.{o3}.1", f"10.{o2}.{o3}.2"
+    for name, comment in (("host_key", "ct200"), ("ns_host_key", "gpu-b"), ("client_key", "client")):
+        sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", str(root / name))
+    shutil.copyfile(root / "client_key.pub", root / "authorized_keys")
+    port = free_port()
+    bed = SSHBed(root, port, ns, veth, ns_ip, root / "client_key", root / "known_hosts", root / "ssh_config",
+                 [root / "sshd.pid", root / "ns_sshd.pid"])
+    (root / "sshd_config").write_text(SSHD_CONFIG.format(port=port, addr="127.0.0.1", hostkey=root / "host_key",
+                                                         pidfile=root / "sshd.pid", authkeys=root / "authorized_keys"))
+    (root / "ns_sshd_config").write_text(SSHD_CONFIG.format(port=22, addr=ns_ip, hostkey=root / "ns_host_key",
+                                                            pidfile=root / "ns_sshd.pid", authkeys=root / "authorized_keys"))
+    try:
+        sh("ip", "netns", "add", ns)
+        sh("ip", "link", "add", veth, "type", "veth", "peer", "name", veth[:-1] + "b")
+        sh("ip", "link", "set", veth[:-1] + "b", "netns", ns)
+        sh("ip", "addr", "add", f"{host_ip}/24", "dev", veth)
+        sh("ip", "link", "set", veth, "up")
+        sh("ip", "netns", "exec", ns, "ip", "addr", "add", f"{ns_ip}/24", "dev", veth[:-1] + "b")
+        sh("ip", "netns", "exec", ns, "ip", "link", "set", veth[:-1] + "b", "up")
+        sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
+        sh(SSHD, "-f", str(root / "sshd_config"), "-E", str(root / "sshd.log"))
+        sh("ip", "netns", "exec", ns, SSHD, "-f", str(root / "ns_sshd_config"), "-E", str(root / "ns_sshd.log"))
+    except subprocess.CalledProcessError as exc:
+        bed.down()
+        raise RuntimeError(f"ssh test bed failed: {exc.cmd}: {exc.stderr}") from None
+    pub = lambda n: " ".join((root / f"{n}.pub").read_text().split()[:2])  # noqa: E731
+    bed.known_hosts.write_text(f"[127.0.0.1]:{port} {pub('host_key')}\n{ns_ip} {pub('ns_host_key')}\n")
+    bed.ssh_config.write_text(textwrap.dedent(f"""\
+        Host ddt-bastion
+          HostName 127.0.0.1
+          Port {port}
+        Host gpu-b
+          HostName {ns_ip}
+          ProxyJump ddt-bastion
+        Host *
+          User root
+          IdentityFile {bed.client_key}
+          IdentitiesOnly yes
+          UserKnownHostsFile {bed.known_hosts}
+          StrictHostKeyChecking yes
+          BatchMode yes
+          ConnectTimeout 5
+        """))
+    deadline = time.monotonic() + 10
+    while not all(p.is_file() for p in bed.pids):
+        if time.monotonic() > deadline:
+            bed.down()
+            raise RuntimeError("sshd did not start (see sshd.log)")
+        time.sleep(0.05)
+    return bed
+
+
+# -- hosts ----------------------------------------------------------------------------------------
+@dataclass
+class TestHost:
+    name: str
+    root: Path
+    port: int
+    algorithm: str
+
+    @property
+    def site(self) -> Path:
+        return self.root / "site"
+
+    @property
+    def sglang(self) -> Path:
+        return self.root / "site" / "sglang"
+
+    @property
+    def state(self) -> Path:
+        return self.root / "state"
+
+    @property
+    def python(self) -> Path:
+        return self.root / "bin" / "python"
+
+
+def make_host(name: str, root: Path, site_cache: Path, algorithm: str) -> TestHost:
+    """A host root: its own copy of the sglang install (hard links: files are only ever replaced,
+    never written in place), a python wrapper that puts it first on sys.path, run/ and state/."""
+    h = TestHost(name, root, free_port(), algorithm)
+    (root / "bin").mkdir(parents=True)
+    (root / "run").mkdir()
+    sh("cp", "-al", str(site_cache), str(h.site))
+    h.python.write_text(f'#!/bin/sh\nPYTHONPATH="{h.site}${{PYTHONPATH:+:$PYTHONPATH}}" exec {sys.executable} "$@"\n')
+    h.python.chmod(0o755)
+    return h
+
+
+def service_argv(h: TestHost) -> list[str]:
+    return [str(h.python), str(SERVICE), "--host", "127.0.0.1", "--port", str(h.port), "--speculative-algorithm", h.algorithm]
+
+
+def setup_systemd(h: TestHost, unit: str = "sglang") -> None:
+    for shim in ("systemctl", "sudo"):
+        shutil.copyfile(SHIMS / shim, h.root / "bin" / shim)
+        (h.root / "bin" / shim).chmod(0o755)
+    (h.root / "units").mkdir()
+    argv = " ".join(f"'{a}'" for a in service_argv(h))
+    (h.root / "units" / f"{unit}.sh").write_text(f"#!/bin/sh\nexport DDTREE_TEST_SERVICE_ENV=1\nexec {argv}\n")
+
+
+def setup_supervisor(h: TestHost, netns: str | None) -> Path:
+    conf = h.root / "supervisord.conf"
+    run = h.root / "run"
+    conf.write_text(textwrap.dedent(f"""\
+        [unix_http_server]
+        file={run}/supervisor.sock
+        [supervisord]
+        pidfile={run}/supervisord.pid
+        logfile={run}/supervisord.log
+        [rpcinterface:supervisor]
+        supervisor.rpcinterface_factory = supervisor.rpcinterface:make_main_rpcinterface
+        [supervisorctl]
+        serverurl=unix://{run}/supervisor.sock
+        [program:sglang]
+        command={' '.join(service_argv(h))}
+        environment=DDTREE_TEST_SERVICE_ENV="1"
+        autostart=false
+        autorestart=false
+        startsecs=0
+        stopasgroup=true
+        killasgroup=true
+        stopwaitsecs=20
+        redirect_stderr=true
+        stdout_logfile={run}/service.log
+        """))
+    prefix = ["ip", "netns", "exec", netns] if netns else []
+    sh(*prefix, str(Path(sys.executable).parent / "supervisord"), "-c", str(conf))
+    deadline = time.monotonic() + 15
+    while not (run / "supervisor.sock").exists():
+        if time.monotonic() > deadline:
+            raise RuntimeError("supervisord did not start")
+        time.sleep(0.1)
+    return conf
+
+
+def reset_host(h: TestHost, build: BuildInfo, site_cache: Path) -> None:
+    """Back to pristine without reinstalling: target files from the cached install (replaced, not
+    written in place), added files removed, deploy state and lock gone."""
+    for rel in build.files:
+        src, dest = site_cache / "sglang" / rel, h.sglang / rel
+        if src.is_file():
+            tmp = dest.with_name(dest.name + ".reset")
+            shutil.copyfile(src, tmp)
+            os.replace(tmp, dest)
+        elif dest.exists():
+            dest.unlink()
+    shutil.rmtree(h.state, ignore_errors=True)

@@ -1,0 +1,258 @@
+"""Deploy scenarios against the real test hosts (sshd on loopback and in a network namespace,
+systemd-shim / supervisord / start-stop-daemon supervisors, real sglang installs per host).
+Every scenario checks the host's files byte for byte afterwards: the whole installed sglang tree
+is hashed before and after, and compared with what the scenario must leave there (computed here
+from the build directory, not pasted from a run)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import deploy_testbed as tb
+import pytest
+from conftest import CLI, host_toml, run_cli
+
+from deploy.buildinfo import sha256_file
+
+pytestmark = [pytest.mark.ssh, pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+def expected_after(before: dict[str, str], build) -> dict[str, str]:
+    """The tree `before` with every build file in place (hashes computed from the build dir)."""
+    out = dict(before)
+    out.update({rel: sha256_file(build.path_of(rel)) for rel in build.files})
+    return out
+
+
+def pid_of(h) -> str | None:
+    p = h.root / "run" / ("sglang.pid" if h.name == "ct200" else "service.pid")
+    return p.read_text().strip() if p.is_file() else None
+
+
+def replace_file(path: Path, data: bytes) -> None:
+    """Edit a host file the way an editor does (new inode; the shared cache stays untouched)."""
+    tmp = path.with_name(path.name + ".edit")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def releases(h) -> list[str]:
+    d = h.state / "releases"
+    return sorted(os.listdir(d)) if d.is_dir() else []
+
+
+def results(r: subprocess.CompletedProcess) -> dict[str, dict]:
+    return {o["host"]: o for o in json.loads(r.stdout)["results"]}
+
+
+@pytest.fixture
+def ct200_good(bed, builds, site_cache, cli_env):
+    """ct200 running the good build (pushed here unless it already is): the state an upgrade starts from."""
+    h, good = bed["hosts"]["ct200"], builds["good"]
+    ok = all(tb.sha256_file(h.sglang / rel) == f.sha256 for rel, f in good.files.items() if (h.sglang / rel).is_file())
+    if not ok or not (h.state / "current.json").is_file() or not (h.sglang / "srt/speculative/ddtree_utils.py").is_file():
+        tb.reset_host(h, good, site_cache)
+        r = run_cli(["push", "ct200", "--build", str(good.root)], cli_env)
+        assert r.returncode == 0, r.stderr
+    return h
+
+
+def test_fresh_push_and_concurrent_push_refused(bed, builds, site_cache, cli_env):
+    h, good = bed["hosts"]["ct200"], builds["good"]
+    tb.reset_host(h, good, site_cache)
+    before = tb.tree_digest(h.sglang)
+    first = subprocess.Popen([str(CLI), "push", "ct200", "--build", str(good.root), "--json"], env=cli_env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (h.state / "lock").is_dir():  # the first push holds the lock while it uploads/verifies
+        assert first.poll() is None, first.communicate()
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    second = run_cli(["push", "ct200", "--build", str(good.root), "--json"], cli_env)
+    out, err = first.communicate(timeout=600)
+    assert second.returncode == 6, second.stderr
+    assert "holds the lock" in second.stderr
+    assert first.returncode == 0, err
+    res = results(subprocess.CompletedProcess([], 0, out, err))["ct200"]
+    assert res["ok"] and res["changed"] and res["restarted"]
+    assert res["health"]["algorithm"] == h.algorithm and res["health"]["smoke"]
+    assert tb.tree_digest(h.sglang) == expected_after(before, good)
+    assert not (h.state / "lock").exists()
+    rec = json.loads((h.state / "releases" / res["release"] / "release.json").read_text())
+    assert rec["outcome"] == "deployed" and rec["build_id"] == good.build_id
+    assert rec["series_sha256"] == good.series_sha256
+    # every backup is byte for byte what was there before; the added file was absent
+    for rel, sha in rec["backup"].items():
+        assert sha == before.get(rel)
+    local = [json.loads(x) for x in (Path(cli_env["DDTREE_DEPLOY_STATE"]) / "ct200.jsonl").read_text().splitlines()]
+    assert [x["ok"] for x in local] == [False, True] and local[1]["build_id"] == good.build_id
+    # status reads the release, the algorithm and acceptance metrics from /get_server_info
+    st = run_cli(["status", "ct200", "--build", str(good.root), "--json"], cli_env)
+    assert st.returncode == 0, st.stderr
+    s = json.loads(st.stdout)
+    assert s["healthy"] and s["service"] == "running" and s["speculative_algorithm"] == h.algorithm
+    assert s["current"]["release"] == res["release"] and set(s["files"].values()) == {"current"}
+    assert s["metrics"]["avg_spec_accept_length"] > 0
+
+
+def test_repeated_push_changes_nothing(ct200_good, builds, cli_env):
+    h = ct200_good
+    before, pid, rels = tb.tree_digest(h.sglang), pid_of(h), releases(h)
+    r = run_cli(["push", "ct200", "--build", str(builds["good"].root), "--json"], cli_env)
+    assert r.returncode == 0, r.stderr
+    res = results(r)["ct200"]
+    assert res["ok"] and not res["changed"] and not res["restarted"] and "nothing to do" in res["message"]
+    assert tb.tree_digest(h.sglang) == before and pid_of(h) == pid and releases(h) == rels
+
+
+@pytest.mark.parametrize(("variant", "stage"), [("syntax", "py_compile"), ("bad_import", "import")])
+def test_broken_build_caught_before_swap(ct200_good, builds, cli_env, variant, stage):
+    h = ct200_good
+    before, pid = tb.tree_digest(h.sglang), pid_of(h)
+    r = run_cli(["push", "ct200", "--build", str(builds[variant].root)], cli_env)
+    assert r.returncode == 1, r.stderr
+    assert f"{stage} check failed before the swap" in r.stderr and "nothing changed" in r.stderr
+    assert tb.tree_digest(h.sglang) == before and pid_of(h) == pid
+    assert not (h.state / "lock").exists()
+
+
+def test_service_fails_at_import_rolls_back(ct200_good, builds, cli_env):
+    h = ct200_good
+    before = tb.tree_digest(h.sglang)
+    r = run_cli(["push", "ct200", "--build", str(builds["bad_service"].root), "--json"], cli_env)
+    assert r.returncode == 1, r.stderr
+    res = results(r)["ct200"]
+    assert "not running" in res["message"] and "rolled back automatically" in res["message"]
+    assert "fails at import inside the service" in res["detail"]  # the service's log tail
+    assert tb.tree_digest(h.sglang) == before
+    rec = json.loads((h.state / "releases" / sorted(releases(h))[-1] / "release.json").read_text())
+    assert rec["outcome"] == "rolled-back"
+    st = json.loads(run_cli(["status", "ct200", "--json"], cli_env).stdout)
+    assert st["healthy"] and st["speculative_algorithm"] == h.algorithm
+
+
+def test_health_deadline_rolls_back(bed, ct200_good, builds, cli_env, tmp_path):
+    h = ct200_good
+    inv = tmp_path / "hosts.toml"  # same host, a short deadline
+    inv.write_text(host_toml(bed["ssh"], h, bed["supervisor"], deadline=45))
+    before = tb.tree_digest(h.sglang)
+    t0 = time.monotonic()
+    r = run_cli(["push", "ct200", "-i", str(inv), "--build", str(builds["hang_service"].root), "--json"], cli_env)
+    assert r.returncode == 1, r.stderr
+    res = results(r)["ct200"]
+    assert "deadline" in res["message"] and "rolled back automatically" in res["message"]
+    assert time.monotonic() - t0 >= 45
+    assert tb.tree_digest(h.sglang) == before
+    st = json.loads(run_cli(["status", "ct200", "--json"], cli_env).stdout)
+    assert st["healthy"]
+
+
+def test_connection_drop_mid_upload(ct200_good, builds, cli_env):
+    """The transport's test hook really closes the SSH connection after the first uploaded file
+    (DDTREE_DEPLOY_TEST_DROP_AFTER_PUTS=1); the tool must reconnect, mark the release aborted and
+    release the lock, and the host must be unchanged."""
+    h = ct200_good
+    before, pid = tb.tree_digest(h.sglang), pid_of(h)
+    env = dict(cli_env, DDTREE_DEPLOY_TEST_DROP_AFTER_PUTS="1")
+    r = run_cli(["push", "ct200", "--build", str(builds["hang_service"].root), "--json"], env)
+    assert r.returncode == 1, r.stderr
+    res = results(r)["ct200"]
+    assert "connection lost" in res["message"] and "host is unchanged" in res["message"]
+    assert tb.tree_digest(h.sglang) == before and pid_of(h) == pid
+    assert not (h.state / "lock").exists()
+    rec = json.loads((h.state / "releases" / sorted(releases(h))[-1] / "release.json").read_text())
+    assert rec["outcome"] == "aborted"
+
+
+def test_unknown_or_changed_host_key_refused(bed, ct200_good, builds, cli_env, tmp_path):
+    h = ct200_good
+    before = tb.tree_digest(h.sglang)
+    empty = tmp_path / "known_hosts_empty"
+    empty.write_text("")
+    wrong = tmp_path / "known_hosts_wrong"  # the netns host's key listed for ct200's address
+    ns_key = " ".join((bed["ssh"].root / "ns_host_key.pub").read_text().split()[:2])
+    wrong.write_text(f"[127.0.0.1]:{bed['ssh'].port} {ns_key}\n")
+    for kh, words in ((empty, "not in known_hosts"), (wrong, "MISMATCH")):
+        inv = tmp_path / f"hosts-{kh.name}.toml"
+        inv.write_text(host_toml(bed["ssh"], h, bed["supervisor"], known_hosts=kh))
+        r = run_cli(["push", "ct200", "-i", str(inv), "--build", str(builds["good"].root)], cli_env)
+        assert r.returncode == 5, r.stderr
+        assert words in r.stderr
+    assert tb.tree_digest(h.sglang) == before
+
+
+def test_drifted_file_refused_and_shown(ct200_good, builds, cli_env):
+    h = ct200_good
+    rel = "srt/speculative/spec_registry.py"
+    original = (h.sglang / rel).read_bytes()
+    replace_file(h.sglang / rel, original + b"# hand edit on the host\n")
+    try:
+        before, pid, rels = tb.tree_digest(h.sglang), pid_of(h), releases(h)
+        r = run_cli(["push", "ct200", "--build", str(builds["bad_service"].root)], cli_env)
+        assert r.returncode == 6, r.stderr
+        assert f"{rel} (drifted)" in r.stderr
+        assert tb.tree_digest(h.sglang) == before and pid_of(h) == pid and releases(h) == rels
+        p = run_cli(["plan", "ct200", "--diff", "--build", str(builds["bad_service"].root), "--json"], cli_env)
+        assert p.returncode == 0, p.stderr
+        plan = json.loads(p.stdout)
+        assert {f["relpath"]: f["status"] for f in plan["facts"]["files"]}[rel] == "drifted"
+        assert "-# hand edit on the host" in plan["diffs"][rel]
+        assert any("drifted" in x for x in plan["refusals"])
+        assert tb.tree_digest(h.sglang) == before  # plan changed nothing
+    finally:
+        replace_file(h.sglang / rel, original)
+
+
+def test_two_hosts_one_failing(bed, builds, site_cache, cli_env):
+    """ct200 has a drifted file (refused), gpu-b (ssh_config alias, ProxyJump through the loopback
+    sshd into the network namespace, supervisord) gets the build; the table and JSON say which."""
+    a, b, good = bed["hosts"]["ct200"], bed["hosts"]["gpu-b"], builds["good"]
+    tb.reset_host(b, good, site_cache)
+    rel = "srt/speculative/spec_info.py"
+    original = (a.sglang / rel).read_bytes()
+    replace_file(a.sglang / rel, b"# drifted\n" + original)
+    try:
+        before_a, before_b = tb.tree_digest(a.sglang), tb.tree_digest(b.sglang)
+        r = run_cli(["push", "ct200", "gpu-b", "--serial", "2", "--build", str(good.root), "--json"], cli_env)
+        assert r.returncode == 6, r.stderr
+        res = results(r)
+        assert not res["ct200"]["ok"] and res["ct200"]["code"] == 6
+        assert res["gpu-b"]["ok"] and res["gpu-b"]["changed"], res["gpu-b"]
+        assert "ct200" in r.stderr and "gpu-b" in r.stderr and "FAILED" in r.stderr
+        assert tb.tree_digest(a.sglang) == before_a
+        assert tb.tree_digest(b.sglang) == expected_after(before_b, good)
+        st = json.loads(run_cli(["status", "gpu-b", "--json"], cli_env).stdout)
+        assert st["healthy"] and st["speculative_algorithm"] == b.algorithm
+    finally:
+        replace_file(a.sglang / rel, original)
+
+
+def test_local_push_and_rollbacks(bed, builds, site_cache, cli_env):
+    """`local` (no SSH, start-stop-daemon pidfile): push, rollback, rollback --to <release>, --to pristine."""
+    h, good = bed["hosts"]["local"], builds["good"]
+    tb.reset_host(h, good, site_cache)
+    pristine = tb.tree_digest(h.sglang)
+    deployed = expected_after(pristine, good)
+    r = run_cli(["push", "local", "--build", str(good.root), "--json"], cli_env)
+    assert r.returncode == 0, r.stderr
+    rid = results(r)["local"]["release"]
+    assert tb.tree_digest(h.sglang) == deployed
+    r = run_cli(["rollback", "local", "--json"], cli_env)  # the state before the release: pristine
+    assert r.returncode == 0, r.stderr
+    assert tb.tree_digest(h.sglang) == pristine
+    assert json.loads((h.state / "current.json").read_text())["state"] == "pristine"
+    r = run_cli(["rollback", "local", "--to", rid], cli_env)
+    assert r.returncode == 0, r.stderr
+    assert tb.tree_digest(h.sglang) == deployed
+    r = run_cli(["rollback", "local", "--to", "pristine", "--json"], cli_env)
+    assert r.returncode == 0, r.stderr
+    assert tb.tree_digest(h.sglang) == pristine
+    assert not (h.sglang / "srt/speculative/ddtree_utils.py").exists()
+    st = json.loads(run_cli(["status", "local", "--json"], cli_env).stdout)
+    assert st["healthy"] and st["speculative_algorithm"] == "DFLASH"
+    r = run_cli(["rollback", "local", "--to", "no-such-release"], cli_env)
+    assert r.returncode == 6 and "no-such-release" in r.stderr
