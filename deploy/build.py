@@ -148,7 +148,15 @@ def build(inputs: Inputs, *, on_patch: Callable[[Entry], None] | None = None) ->
     p = prepare(inputs)
     Path(inputs.build_root).mkdir(parents=True, exist_ok=True)
     with _locked(Path(inputs.build_root) / LOCK_NAME):
+        _remove_leftovers(Path(inputs.build_root), p.build_dir.name)
         return _build_locked(p, inputs, on_patch)
+
+
+def _remove_leftovers(build_root: Path, name: str) -> None:
+    """Temporary trees of a build that was killed (we hold the lock: no build is running)."""
+    for pattern in (f".{name}.tmp-*", f".{name}.old-*"):
+        for path in build_root.glob(pattern):
+            shutil.rmtree(path, ignore_errors=True)
 
 
 @contextlib.contextmanager

@@ -140,6 +140,16 @@ def test_failure_after_patching_leaves_no_half_build(patched_project, monkeypatc
     assert patched_project.tree_bytes() == before
 
 
+def test_leftovers_of_a_killed_build_are_removed(patched_project):
+    build(patched_project.inputs())
+    before = patched_project.tree_bytes()
+    leftover = patched_project.build_root / f".{patched_project.build_dir.name}.tmp-abc123" / "srt"
+    leftover.mkdir(parents=True)
+    (leftover / "half.py").write_text("half applied\n")
+    build(patched_project.inputs())
+    assert patched_project.tree_bytes() == before
+
+
 def test_patch_may_not_ship_its_own_ddtree_utils(project):
     project.add_patch("0001-utils.patch", udiff("srt/speculative/x.py", None, "X = 1\n")
                       .replace("srt/speculative/x.py", SHIPPED_UTILS))
