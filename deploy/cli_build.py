@@ -254,7 +254,10 @@ def snapshot_import(
             raise SnapshotError(f"{source.label}: {len(drifted)} file(s) differ from {target}: {', '.join(drifted)}")
         ok(f"{source.label} matches {target}")
         return
-    r = snap.import_files(source, target, file or None)
+    files = file or None
+    if not files and not (target / snap.MANIFEST).is_file() and (DEFAULT_SNAPSHOT / snap.MANIFEST).is_file():
+        files = sorted(snap.load_manifest(DEFAULT_SNAPSHOT).files)  # a new pin: the files the series touches now
+    r = snap.import_files(source, target, files)
     if json_out:
         emit_json({"source": source.label, "snapshot_dir": str(target), "sglang_version": r.version,
                    "added": r.added, "updated": r.updated, "unchanged": r.unchanged})

@@ -208,3 +208,13 @@ def test_cli_import_from_local_wheel(tmp_path, cli):
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["added"] == ["srt/other.py"]
     assert snap.load_manifest(tmp_path / "s" / "sglang-1.0.0").wheel_name == wheel.name
+
+
+def test_new_pin_imports_the_files_of_the_current_pin(tmp_path, cli):
+    """A new version's snapshot starts with the files the current snapshot holds."""
+    current = snap.load_manifest(REAL).files
+    wheel = make_wheel(tmp_path, "7.0.0", {rel: f"# {rel} in 7.0.0\n" for rel in current})
+    r = cli("snapshot", "import", "--version", "7.0.0", "--wheel", wheel, "--snapshot-root", tmp_path / "s", "--json")
+    assert r.exit_code == 0, r.output
+    assert sorted(json.loads(r.stdout)["added"]) == sorted(current)
+    assert snap.verify(tmp_path / "s" / "sglang-7.0.0").sglang_version == "7.0.0"
