@@ -1,0 +1,458 @@
+#!/usr/bin/env python3
+"""End-to-end DDTREE matrix on one GPU with real SGLang and tiny dummy-weight models.
+
+Starts one server per configuration (several in parallel, each on its own port), sends
+the same batch of greedy requests to each and compares outputs token for token with the
+plain target's and DFLASH's on the same attention backend. Selected DDTREE servers also
+run the extra checks: sampling (T=0.7, top-p, top-k) returns valid tokens, a logprobs
+request is refused while other requests keep being served, /get_server_info reports
+DDTREE and, with --speculative-ddtree-debug-metrics, the debug metrics.
+
+  python3 tests/gpu/ddtree_e2e.py --out OUT [--backends triton,flashinfer] [--budgets 1,15,63,255]
+
+Writes OUT/<config>.log, OUT/summary.json and prints a result table. Exit status 0 only
+when every check passed. Needs CUDA and the patched sglang on PYTHONPATH.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+
+VOCAB = 2048
+MASK_TOKEN_ID = VOCAB - 1
+TARGET_CONFIG = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "vocab_size": VOCAB,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+# Draft features come from target layers whose ids are < num_hidden_layers - 1.
+DRAFT_CONFIG = dict(
+    TARGET_CONFIG,
+    architectures=["DFlashDraftModel"],
+    num_hidden_layers=1,
+    block_size=16,
+    num_target_layers=4,
+    dflash_config={
+        "target_layer_ids": [0, 2],
+        "mask_token_id": MASK_TOKEN_ID,
+        "block_size": 16,
+    },
+)
+PROMPT_LENS = (3, 9, 26, 48, 77, 120, 191, 260, 14, 33)
+COMMON_ARGS = (
+    "--sampling-backend pytorch --disable-piecewise-cuda-graph --grammar-backend none "
+    "--mem-fraction-static 0.9 --max-total-tokens 65536 --cuda-graph-max-bs 16 "
+    "--max-running-requests 16 --random-seed 0"
+)
+
+
+@dataclass
+class Config:
+    name: str
+    backend: str
+    extra: str
+    kind: str  # base | dflash | ddtree
+    extras_checks: bool = False
+    debug_metrics: bool = False
+    result: dict = field(default_factory=dict)
+
+
+def build_matrix(
+    backends: list[str], budgets: list[int], graphs: list[str]
+) -> list[Config]:
+    """base and DFLASH per backend, DDTREE per budget x graph mode; extra checks on budget 15."""
+    out: list[Config] = []
+    for be in backends:
+        out.append(Config(f"{be}-base", be, "", "base"))
+        out.append(
+            Config(
+                f"{be}-dflash",
+                be,
+                "--speculative-algorithm DFLASH --speculative-draft-model-path {draft}",
+                "dflash",
+            )
+        )
+        for b in budgets:
+            for g in graphs:
+                extras = b == 15
+                extra = (
+                    "--speculative-algorithm DDTREE --speculative-draft-model-path {draft} "
+                    f"--speculative-ddtree-budget {b}"
+                )
+                if g == "eager":
+                    extra += " --disable-cuda-graph"
+                if extras and g == "cg":
+                    extra += " --speculative-ddtree-debug-metrics"
+                out.append(
+                    Config(
+                        f"{be}-ddtree-b{b}-{g}",
+                        be,
+                        extra,
+                        "ddtree",
+                        extras_checks=extras,
+                        debug_metrics=extras and g == "cg",
+                    )
+                )
+    return out
+
+
+def post(port: int, path: str, body: dict, timeout: float = 300) -> tuple[int, object]:
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}",
+        json.dumps(body).encode(),
+        {"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        text = e.read().decode(errors="replace")
+        try:
+            return e.code, json.loads(text)
+        except ValueError:
+            return e.code, text
+
+
+def get(port: int, path: str, timeout: float = 30) -> object:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def greedy(port: int, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+    code, outs = post(
+        port,
+        "/generate",
+        {
+            "input_ids": prompts,
+            "sampling_params": {
+                "max_new_tokens": max_new,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+        },
+    )
+    if code != 200:
+        raise RuntimeError(f"greedy request failed: HTTP {code}: {str(outs)[:300]}")
+    return outs
+
+
+def extra_checks(
+    cfg: Config,
+    port: int,
+    prompts: list[list[int]],
+    max_new: int,
+    reference: list[list[int]],
+) -> dict:
+    """Sampling, logprobs refusal while serving, /get_server_info (and debug metrics)."""
+    checks: dict = {}
+    code, outs = post(
+        port,
+        "/generate",
+        {
+            "input_ids": prompts,
+            "sampling_params": {
+                "max_new_tokens": max_new,
+                "temperature": 0.7,
+                "top_p": 0.9,
+                "top_k": 50,
+                "ignore_eos": True,
+            },
+        },
+    )
+    ok = code == 200 and all(
+        len(o["output_ids"]) == max_new and all(0 <= t < VOCAB for t in o["output_ids"])
+        for o in outs
+    )
+    checks["sampling_valid"] = bool(ok)
+    if ok:
+        checks["sampling_differs_from_greedy"] = any(
+            o["output_ids"] != r for o, r in zip(outs, reference)
+        )
+
+    # A logprobs request must be refused while a concurrent greedy request is served.
+    served: dict = {}
+
+    def background() -> None:
+        try:
+            served["outs"] = [
+                o["output_ids"] for o in greedy(port, prompts[:4], max_new)
+            ]
+        except (OSError, RuntimeError, ValueError, KeyError) as e:  # checked below
+            served["error"] = repr(e)
+
+    t = threading.Thread(target=background)
+    t.start()
+    code, body = post(
+        port,
+        "/generate",
+        {
+            "input_ids": prompts[0],
+            "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 8, "temperature": 0},
+        },
+    )
+    t.join()
+    text = json.dumps(body) if not isinstance(body, str) else body
+    checks["logprobs_refused"] = code != 200 or "error" in text.lower()
+    checks["logprobs_message"] = text[:200]
+    checks["served_during_refusal"] = served.get("outs") == reference[:4]
+    after = [o["output_ids"] for o in greedy(port, prompts, max_new)]
+    checks["served_after_refusal"] = after == reference
+
+    info = get(port, "/get_server_info")
+    checks["server_info_algorithm"] = info.get("speculative_algorithm")
+    checks["server_info_ddtree"] = info.get("speculative_algorithm") == "DDTREE"
+    states = info.get("internal_states") or [{}]
+    metrics = states[0].get("ddtree_debug_metrics")
+    if cfg.debug_metrics:
+        checks["debug_metrics"] = metrics
+        checks["debug_metrics_present"] = bool(metrics) and metrics.get("rounds", 0) > 0
+    return checks
+
+
+def run_config(
+    cfg: Config,
+    port: int,
+    models: str,
+    out_dir: str,
+    prompts: list[list[int]],
+    max_new: int,
+    startup_timeout: float,
+) -> None:
+    tdir, ddir = os.path.join(models, "target"), os.path.join(models, "draft")
+    extra = cfg.extra.format(draft=ddir, target=tdir)
+    cmd = [
+        sys.executable,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        tdir,
+        "--load-format",
+        "dummy",
+        "--skip-tokenizer-init",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--attention-backend",
+        cfg.backend,
+        *shlex.split(COMMON_ARGS),
+        *shlex.split(extra),
+    ]
+    rec = cfg.result
+    rec["cmd"] = " ".join(cmd)
+    log = open(os.path.join(out_dir, f"{cfg.name}.log"), "w")  # noqa: SIM115 - closed in finally
+    t0 = time.time()
+    proc = subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(
+                    f"server exited with {proc.returncode} during startup"
+                )
+            if time.time() - t0 > startup_timeout:
+                raise RuntimeError("startup timeout")
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                time.sleep(1)
+        rec["startup_s"] = round(time.time() - t0, 1)
+        t1 = time.time()
+        outs = greedy(port, prompts, max_new)
+        rec["gen_s"] = round(time.time() - t1, 2)
+        rec["outputs"] = [o["output_ids"] for o in outs]
+        rec["accept_len"] = [o["meta_info"].get("spec_accept_length") for o in outs]
+        if cfg.extras_checks:
+            rec["checks"] = extra_checks(cfg, port, prompts, max_new, rec["outputs"])
+    except Exception as e:  # noqa: BLE001 - any failure is recorded in the summary
+        rec["error"] = repr(e)
+    finally:
+        stop_server(proc)
+        log.close()
+        rec["total_s"] = round(time.time() - t0, 1)
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM the server's process group, SIGKILL it if it lingers."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(20)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+
+
+def compare(configs: list[Config]) -> None:
+    """Per backend: every config's greedy outputs vs the base's and DFLASH's."""
+    by_name = {c.name: c for c in configs}
+    for c in configs:
+        base = by_name.get(f"{c.backend}-base")
+        dfl = by_name.get(f"{c.backend}-dflash")
+        outs = c.result.get("outputs")
+        for label, ref in (("matches_base", base), ("matches_dflash", dfl)):
+            if (
+                ref is None
+                or ref is c
+                or outs is None
+                or ref.result.get("outputs") is None
+            ):
+                continue
+            c.result[label] = outs == ref.result["outputs"]
+            if not c.result[label]:
+                c.result[label + "_per_prompt"] = [
+                    x == y for x, y in zip(outs, ref.result["outputs"])
+                ]
+
+
+def passed(c: Config) -> bool:
+    r = c.result
+    if "error" in r or "outputs" not in r:
+        return False
+    if r.get("matches_base") is False or r.get("matches_dflash") is False:
+        return False
+    ch = r.get("checks", {})
+    keys = (
+        "sampling_valid",
+        "logprobs_refused",
+        "served_during_refusal",
+        "served_after_refusal",
+        "server_info_ddtree",
+    )
+    if c.extras_checks and not all(ch.get(k) for k in keys):
+        return False
+    return not (c.debug_metrics and not ch.get("debug_metrics_present"))
+
+
+def table(configs: list[Config]) -> str:
+    rows = [
+        "| config | startup s | gen s | = base | = DFLASH | mean accept | extra checks | result |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for c in configs:
+        r = c.result
+        acc = [a for a in r.get("accept_len") or [] if a is not None]
+        mean = f"{sum(acc) / len(acc):.2f}" if acc else "-"
+        ch = r.get("checks")
+        chs = (
+            "-"
+            if not ch
+            else ", ".join(
+                f"{k}={'ok' if v else 'FAIL'}"
+                for k, v in ch.items()
+                if isinstance(v, bool)
+            )
+        )
+        rows.append(
+            f"| {c.name} | {r.get('startup_s', '-')} | {r.get('gen_s', '-')} | "
+            f"{r.get('matches_base', '-')} | {r.get('matches_dflash', '-')} | {mean} | "
+            f"{chs} | {'PASS' if passed(c) else 'FAIL: ' + r.get('error', 'mismatch')[:80]} |"
+        )
+    return "\n".join(rows)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--models", default="/tmp/ddtree-tiny-models")
+    ap.add_argument("--backends", default="triton,flashinfer")
+    ap.add_argument("--budgets", default="1,15,63,255")
+    ap.add_argument("--graphs", default="cg,eager")
+    ap.add_argument("--only", default="", help="regex on config names")
+    ap.add_argument("--parallel", type=int, default=12)
+    ap.add_argument("--port", type=int, default=31000)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--startup-timeout", type=float, default=420)
+    a = ap.parse_args()
+
+    os.makedirs(a.out, exist_ok=True)
+    for sub, cfg in (("target", TARGET_CONFIG), ("draft", DRAFT_CONFIG)):
+        os.makedirs(os.path.join(a.models, sub), exist_ok=True)
+        with open(os.path.join(a.models, sub, "config.json"), "w") as f:
+            json.dump(cfg, f)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, VOCAB - 2) for _ in range(n)] for n in PROMPT_LENS]
+
+    configs = build_matrix(
+        a.backends.split(","),
+        [int(b) for b in a.budgets.split(",")],
+        a.graphs.split(","),
+    )
+    if a.only:
+        configs = [c for c in configs if re.search(a.only, c.name)]
+
+    # FlashInfer JIT-compiles on its first start: start one flashinfer server first and
+    # hold the other flashinfer servers until it is up (or failed).
+    first_fi = next((c for c in configs if c.backend == "flashinfer"), None)
+    fi_ready = threading.Event()
+    slots = threading.Semaphore(a.parallel)
+    order = ([first_fi] if first_fi else []) + [c for c in configs if c is not first_fi]
+
+    def worker(cfg: Config, port: int) -> None:
+        if cfg.backend == "flashinfer" and cfg is not first_fi:
+            fi_ready.wait()
+        with slots:
+            print(f"start {cfg.name} on :{port}", flush=True)
+            run_config(
+                cfg, port, a.models, a.out, prompts, a.max_new_tokens, a.startup_timeout
+            )
+            print(
+                f"done  {cfg.name}: { {k: v for k, v in cfg.result.items() if k not in ('outputs', 'cmd', 'checks')} }",
+                flush=True,
+            )
+        if cfg is first_fi:
+            fi_ready.set()
+
+    threads = []
+    for i, cfg in enumerate(order):
+        t = threading.Thread(target=worker, args=(cfg, a.port + i))
+        t.start()
+        threads.append(t)
+        time.sleep(0.5)
+    for t in threads:
+        t.join()
+
+    compare(configs)
+    summary = {c.name: dict(c.result, passed=passed(c)) for c in configs}
+    with open(os.path.join(a.out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    report = table(configs)
+    with open(os.path.join(a.out, "table.md"), "w") as f:
+        f.write(report + "\n")
+    print(report, flush=True)
+    return 0 if configs and all(passed(c) for c in configs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,288 @@
+"""DDTreeVerifyInput against ddtree_utils' reference, on CPU with the real sglang package.
+
+Trees come from ddtree_utils on random draft logits; the target's predictions are chosen so
+that a known random root-to-node path is accepted. The real ReqToTokenPool,
+TokenToKVPoolAllocator, ChunkCache and Req classes run on CPU (sglang's Triton helpers under
+TRITON_INTERPRET=1). The batch object is a SimpleNamespace holding exactly the fields the
+verify input reads: ScheduleBatch needs a full scheduler to construct, and this stands in
+for it only.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+VOCAB = 64
+HIDDEN = 8
+BLOCK = 16
+
+
+def _modules(overlay):
+
+    return SimpleNamespace(**locals())
+
+
+@pytest.fixture(scope="module")
+def m(sglang_overlay):
+    return _modules(sglang_overlay)
+
+
+def _make_tree(m, bs, budget, seq_lens, seed):
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(bs, BLOCK - 1, VOCAB, generator=gen) * 3
+    max_depth = min(budget, BLOCK - 1)
+    logp, ids = m.ddtree_utils.draft_topk_logprobs(
+        logits[:, :max_depth], min(budget, 8)
+    )
+    tree = m.ddtree_utils.build_tree_reference(logp, ids, budget)
+    bonus = torch.randint(3, VOCAB, (bs,), generator=gen)
+    compiled = m.ddtree_utils.compile_tree(
+        tree,
+        bonus,
+        torch.tensor(seq_lens),
+        seq_lens_cpu=list(seq_lens),
+        max_depth=max_depth,
+    )
+    return compiled, max_depth
+
+
+def _random_path(parents, valid, rng, max_depth):
+    """A random root-to-node path (verify indices, root first) of the tree."""
+    n = len(parents)
+    children = {
+        i: [j for j in range(1, n) if parents[j] == i and valid[j]] for i in range(n)
+    }
+    path = [0]
+    target_len = rng.randint(0, max_depth)
+    while len(path) - 1 < target_len and children[path[-1]]:
+        path.append(rng.choice(children[path[-1]]))
+    return path
+
+
+def _target_logits(compiled, paths, bs, n, rng, gen):
+    """Verify logits whose argmax follows each request's path, then stops at a non-child."""
+    tokens = compiled.draft_tokens.view(bs, n)
+    parents = compiled.parents
+    predict = torch.randint(3, VOCAB, (bs, n), generator=gen)
+    for b, path in enumerate(paths):
+        for a, c in itertools.pairwise(path):
+            predict[b, a] = tokens[b, c]
+        last = path[-1]
+        child_tokens = {
+            int(tokens[b, j]) for j in range(n) if int(parents[b, j]) == last
+        }
+        choices = [t for t in range(3, VOCAB) if t not in child_tokens]
+        predict[b, last] = rng.choice(choices)
+    logits = torch.randn(bs * n, VOCAB, generator=gen)
+    logits.scatter_(1, predict.view(-1, 1), 20.0)
+    return logits, predict
+
+
+def _setup(m, seq_lens, max_new):
+    bs = len(seq_lens)
+    pool = m.ReqToTokenPool(
+        size=bs + 2, max_context_len=1024, device="cpu", enable_memory_saver=False
+    )
+    alloc = m.TokenToKVPoolAllocator(
+        size=4096, dtype=torch.bfloat16, device="cpu", kvcache=None, need_sort=False
+    )
+    cache = m.ChunkCache(
+        m.CacheInitParams(
+            disable=True,
+            req_to_token_pool=pool,
+            token_to_kv_pool_allocator=alloc,
+            page_size=1,
+        )
+    )
+    reqs, pool_idx = [], []
+    for i, (s, mn) in enumerate(zip(seq_lens, max_new)):
+        sp = m.SamplingParams(max_new_tokens=mn, temperature=0, ignore_eos=True)
+        sp.normalize(None)
+        req = m.Req(f"r{i}", "", list(range(3, 3 + s)), sp, vocab_size=VOCAB)
+        # The committed prefix already owns s KV slots.
+        pool.req_to_token[i + 1, :s] = alloc.alloc(s)
+        reqs.append(req)
+        pool_idx.append(i + 1)
+    batch = SimpleNamespace(
+        forward_mode=m.ForwardMode.TARGET_VERIFY,
+        input_ids=None,
+        out_cache_loc=None,
+        tree_cache=cache,
+        req_to_token_pool=pool,
+        token_to_kv_pool_allocator=alloc,
+        req_pool_indices=torch.tensor(pool_idx, dtype=torch.int64),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
+        seq_lens_cpu=torch.tensor(seq_lens, dtype=torch.int64),
+        seq_lens_sum=sum(seq_lens),
+        reqs=reqs,
+        sampling_info=None,
+        device="cpu",
+    )
+    batch.batch_size = lambda: len(reqs)
+    return batch
+
+
+def _verify_input(m, compiled, n, max_depth):
+    return m.DDTreeVerifyInput(
+        draft_token=compiled.draft_tokens,
+        positions=compiled.positions,
+        draft_token_num=n,
+        custom_mask=compiled.custom_mask,
+        retrieve_index=compiled.retrieve_index,
+        retrieve_next_token=compiled.retrieve_next_token,
+        retrieve_next_sibling=compiled.retrieve_next_sibling,
+        max_depth=max_depth,
+    )
+
+
+@pytest.mark.parametrize("budget,seed", [(1, 0), (15, 1), (63, 2), (255, 3)])
+def test_greedy_verify_matches_reference(m, budget, seed):
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed + 100)
+    seq_lens = [5, 17, 40, 3]
+    bs, n = len(seq_lens), budget + 1
+    # Request 2 may finish mid-path (max_new_tokens 2): its commit is truncated.
+    max_new = [64, 64, 2, 64]
+    compiled, max_depth = _make_tree(m, bs, budget, seq_lens, seed)
+    paths = [
+        _random_path(
+            compiled.parents[b].tolist(),
+            [True] + [bool(x) for x in compiled.tree_mask[b].diagonal()[1:]],
+            rng,
+            max_depth,
+        )
+        for b in range(bs)
+    ]
+    if budget >= 15:  # deep, branching acceptance is exercised, not only the root
+        assert max(len(p) for p in paths) >= 3
+    logits, predict = _target_logits(compiled, paths, bs, n, rng, gen)
+    hidden = torch.randn(bs * n, HIDDEN, generator=gen)
+
+    batch = _setup(m, seq_lens, max_new)
+    free_before = batch.token_to_kv_pool_allocator.available_size()
+    vi = _verify_input(m, compiled, n, max_depth)
+    vi.prepare_for_verify(batch, page_size=1)
+
+    out_cache_loc = batch.out_cache_loc.clone()
+    assert out_cache_loc.numel() == bs * n
+    assert torch.equal(batch.input_ids, compiled.draft_tokens)
+    for b, s in enumerate(seq_lens):
+        row = batch.req_to_token_pool.req_to_token[b + 1, s : s + n]
+        assert torch.equal(row.to(torch.int64), out_cache_loc[b * n : (b + 1) * n])
+
+    # Reference: ddtree_utils' walk on the same tree and target argmax.
+    ref_index, ref_len, ref_bonus = m.ddtree_utils.verify_greedy_reference(
+        compiled.draft_tokens.view(bs, n),
+        compiled.retrieve_next_token,
+        compiled.retrieve_next_sibling,
+        predict,
+        max_depth,
+    )
+    for b, path in enumerate(
+        paths
+    ):  # the constructed path is what the reference accepts
+        assert ref_index[b, : len(path)].tolist() == path
+        assert int(ref_len[b]) == len(path) - 1
+
+    logits_output = SimpleNamespace(
+        next_token_logits=logits, hidden_states=hidden.clone()
+    )
+    bonus, commit_lens, next_hidden, correct = vi.verify(
+        batch=batch, logits_output=logits_output, page_size=1
+    )
+
+    tokens = compiled.draft_tokens.view(bs, n)
+    exp_commit, exp_hidden_rows, exp_keep = [], [], []
+    for b, path in enumerate(paths):
+        proposed = [int(tokens[b, j]) for j in path[1:]] + [int(ref_bonus[b])]
+        committed = proposed[: max_new[b]]  # finish truncation (ignore_eos)
+        assert list(batch.reqs[b].output_ids) == committed
+        exp_commit.append(len(committed))
+        rows = [b * n + j for j in path[: len(committed)]]
+        exp_hidden_rows += rows
+        exp_keep.append(out_cache_loc[rows])
+        assert int(bonus[b]) == committed[-1]
+        assert int(vi.last_node_index[b]) == path[len(committed) - 1]
+        s = seq_lens[b]
+        written = batch.req_to_token_pool.req_to_token[b + 1, s : s + len(committed)]
+        assert torch.equal(written.to(torch.int64), out_cache_loc[rows])
+        assert batch.reqs[b].kv_committed_len == len(committed)
+    assert commit_lens.tolist() == exp_commit
+    assert correct == [c - 1 for c in exp_commit]
+    assert torch.equal(next_hidden, hidden[exp_hidden_rows])
+    assert torch.equal(batch.out_cache_loc, torch.cat(exp_keep))
+    assert batch.seq_lens.tolist() == [s + c for s, c in zip(seq_lens, exp_commit)]
+    assert batch.seq_lens_cpu.tolist() == batch.seq_lens.tolist()
+    assert batch.seq_lens_sum == sum(seq_lens) + sum(exp_commit)
+    assert logits_output.hidden_states is None
+
+    # Every tree slot off the committed paths went back to the allocator, and only those.
+    alloc = batch.token_to_kv_pool_allocator
+    kept = set(torch.cat(exp_keep).tolist())
+    freed = set(out_cache_loc.tolist()) - kept
+    assert alloc.available_size() == free_before - sum(exp_commit)
+    free_now = set(alloc.free_pages.tolist())
+    assert freed <= free_now and not (kept & free_now)
+
+
+def test_sampling_verify_with_one_hot_targets_follows_the_path(m):
+    """top_k=1 makes the target distribution one-hot: sampling must accept the greedy path."""
+    rng, gen = random.Random(7), torch.Generator().manual_seed(7)
+    seq_lens = [9, 30, 4]
+    bs, budget = len(seq_lens), 31
+    n = budget + 1
+    compiled, max_depth = _make_tree(m, bs, budget, seq_lens, 7)
+    paths = [
+        _random_path(compiled.parents[b].tolist(), [True] * n, rng, max_depth)
+        for b in range(bs)
+    ]
+    logits, _ = _target_logits(compiled, paths, bs, n, rng, gen)
+    batch = _setup(m, seq_lens, [64] * bs)
+    batch.sampling_info = SimpleNamespace(
+        is_all_greedy=False,
+        temperatures=torch.full((bs, 1), 0.7),
+        top_ks=torch.ones(bs, dtype=torch.int32),
+        top_ps=torch.full((bs,), 0.9),
+        has_custom_logit_processor=False,
+        penalizer_orchestrator=SimpleNamespace(is_required=False),
+        logit_bias=None,
+    )
+    batch.sampling_info = _Sized(batch.sampling_info, bs)
+    vi = _verify_input(m, compiled, n, max_depth)
+    vi.prepare_for_verify(batch, page_size=1)
+    hidden = torch.randn(bs * n, HIDDEN, generator=gen)
+    vi.verify(
+        batch=batch,
+        logits_output=SimpleNamespace(next_token_logits=logits, hidden_states=hidden),
+        page_size=1,
+    )
+    for b, path in enumerate(paths):
+        assert vi.accept_index[b, : len(path)].tolist() == path
+        assert int(vi.accept_len[b]) == len(path) - 1
+
+
+class _Sized:
+    """sampling_info stand-in with len() (SamplingBatchInfo needs a full batch to build)."""
+
+    def __init__(self, ns, size):
+        self.__dict__.update(vars(ns))
+        self._size = size
+
+    def __len__(self):
+        return self._size
+
+
+def test_prepare_for_verify_refuses_paged_kv_and_missing_mask(m):
+    compiled, max_depth = _make_tree(m, 1, 3, [4], 0)
+    batch = _setup(m, [4], [8])
+    vi = _verify_input(m, compiled, 4, max_depth)
+    with pytest.raises(ValueError, match="page_size == 1"):
+        vi.prepare_for_verify(batch, page_size=16)
+    vi.custom_mask = None
+    with pytest.raises(ValueError, match="custom_mask"):
+        vi.prepare_for_verify(batch, page_size=1)
