@@ -275,12 +275,16 @@ def build_tree_reference(
     ids_all = topk_ids[:, :, :kk].detach().to(torch.int64).cpu().tolist()
     lp_list = lp_all.tolist()
     rows = [True] * bs if valid is None else valid.detach().cpu().bool().tolist()
-    tokens, parents, depth = out.tokens, out.parents, out.depth
-    score, node_valid = out.score, out.node_valid
+    tokens = [[0] * budget for _ in range(bs)]
+    parents = [[0] * budget for _ in range(bs)]
+    depth = [[1] * budget for _ in range(bs)]
+    score = [[_NEG_INF] * budget for _ in range(bs)]
+    count = [0] * bs
     for b in range(bs):
         if not rows[b]:
             continue
         lp, ids = lp_list[b], ids_all[b]
+        tok_b, par_b, dep_b, sco_b = tokens[b], parents[b], depth[b], score[b]
         # heap entry: (-score, depth, rank tuple, parent score, parent verify index)
         heap: list[tuple[float, int, tuple[int, ...], float, int]] = []
         if lp[0][0] != _NEG_INF:
@@ -289,20 +293,25 @@ def build_tree_reference(
         while heap and n < budget:
             neg, d, ranks, base, par = heapq.heappop(heap)
             s, r = -neg, ranks[-1]
-            tokens[b, n] = ids[d - 1][r]
-            parents[b, n] = par
-            depth[b, n] = d
-            score[b, n] = s
-            node_valid[b, n] = True
+            tok_b[n], par_b[n], dep_b[n], sco_b[n] = ids[d - 1][r], par, d, s
             n += 1
             if r + 1 < kk:
-                sib = _f32(base + lp[d - 1][r + 1]) if d > 1 else lp[0][r + 1]
+                sib = _f32(base + lp[d - 1][r + 1])
                 if sib != _NEG_INF:
                     heapq.heappush(heap, (-sib, d, ranks[:-1] + (r + 1,), base, par))
             if d < depth_limit:
                 child = _f32(s + lp[d][0])
                 if child != _NEG_INF:
                     heapq.heappush(heap, (-child, d + 1, ranks + (0,), s, n))
+        count[b] = n
+    filled = torch.tensor(count).view(bs, 1) > torch.arange(budget).view(1, budget)
+    out = DDTree(
+        tokens=torch.tensor(tokens, dtype=torch.int64),
+        parents=torch.tensor(parents, dtype=torch.int64),
+        depth=torch.tensor(depth, dtype=torch.int64),
+        score=torch.tensor(score, dtype=torch.float32),
+        node_valid=filled,
+    )
     return DDTree(*(t.to(device) for t in out))
 
 
