@@ -55,6 +55,7 @@ def hook(sglang_overlay):
 
 def assert_ddtree_shape(args, *, block: int, budget: int, topk_cap: int) -> None:
     """The documented DDTREE contract between server args and the worker."""
+    from sglang.srt.arg_groups.speculative_hook import DDTREE_MAX_CUDA_GRAPH_TOKENS
     from sglang.srt.mem_cache.common import get_alloc_len_per_decode
 
     assert args.speculative_algorithm == "DDTREE"
@@ -68,6 +69,9 @@ def assert_ddtree_shape(args, *, block: int, budget: int, topk_cap: int) -> None
     assert get_alloc_len_per_decode(args) >= max(block, budget + 1)
     assert args.disable_overlap_schedule is True
     assert args.page_size == 1
+    # Captured verify graphs stay bounded in tokens (one batch size always remains).
+    assert args.cuda_graph_bs and max(args.cuda_graph_bs) == args.cuda_graph_max_bs
+    assert args.cuda_graph_max_bs * (budget + 1) <= max(DDTREE_MAX_CUDA_GRAPH_TOKENS, budget + 1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -94,6 +98,18 @@ def test_explicit_budget_and_topk_cap(parse, hook, budget, topk_cap):
     args = parse(*extra)
     want_cap = topk_cap if topk_cap is not None else min(budget, hook.DDTREE_DEFAULT_TOPK_CAP)
     assert_ddtree_shape(args, block=DRAFT_BLOCK, budget=budget, topk_cap=want_cap)
+
+
+def test_cuda_graph_batch_sizes(parse, hook):
+    dflash = parse("--attention-backend", "triton", algorithm="DFLASH")
+    small = parse("--attention-backend", "triton")  # verify width 16: nothing to trim
+    assert small.cuda_graph_bs == dflash.cuda_graph_bs
+    large = parse("--attention-backend", "triton", "--speculative-ddtree-budget", "255")
+    cap = hook.DDTREE_MAX_CUDA_GRAPH_TOKENS // 256
+    assert large.cuda_graph_bs == [bs for bs in dflash.cuda_graph_bs if bs <= cap]
+    explicit = parse("--attention-backend", "triton", "--speculative-ddtree-budget", "1023",
+                     "--cuda-graph-bs", "8", "16")
+    assert explicit.cuda_graph_bs == [hook.DDTREE_MAX_CUDA_GRAPH_TOKENS // 1024]
 
 
 def test_topk_cap_above_budget_is_clamped(parse):
