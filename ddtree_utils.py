@@ -326,6 +326,41 @@ def _high_words(keys: Tensor) -> Tensor:
     return pairs[..., 1 if sys.byteorder == "little" else 0]
 
 
+_BEAM_SELECT = "topk"  # "topk" | "sort" | "threshold": same result, different kernels
+
+
+def _select_lexicographic(
+    cand: Tensor, keys: Tensor, high: Tensor, budget: int, out: Tensor, scratch: Tensor
+) -> None:
+    """Write into ``out [bs, B]`` the flat indices of the first B candidates in the order
+    (score desc, flat index asc), sorted ascending by flat index. ``keys`` holds the flat index
+    in its low words; ``high`` is the view of its high words."""
+    if _BEAM_SELECT == "threshold":
+        # B-th largest score t; take every score > t and the first (B - #greater) equal to t
+        t = torch.topk(cand, budget, dim=1, sorted=False).values.amin(
+            dim=1, keepdim=True
+        )
+        above = cand > t
+        tied = cand == t
+        room = budget - above.sum(dim=1, keepdim=True)
+        take = above | (tied & (tied.cumsum(dim=1) <= room))
+        dest = torch.where(take, take.cumsum(dim=1) - 1, budget)
+        full = torch.empty(
+            cand.shape[0], budget + 1, dtype=torch.int64, device=cand.device
+        )
+        full.scatter_(1, dest, keys)  # keys still hold the bare flat index here
+        out.copy_(full[:, :budget])
+        return
+    torch.bitwise_and(
+        cand.view(torch.int32), _MAG31, out=high
+    )  # high words: score order
+    if _BEAM_SELECT == "sort":
+        chosen = torch.sort(keys, dim=1).values[:, :budget]
+    else:
+        chosen = torch.topk(keys, budget, dim=1, largest=False, sorted=False).values
+    torch.sort(chosen & _LOW32, dim=1, out=(out, scratch))
+
+
 def build_tree(
     topk_logp: Tensor,
     topk_ids: Tensor,
@@ -380,18 +415,12 @@ def build_tree(
     flats[0] = torch.arange(budget, device=device)
     keys = torch.arange(budget * kk, device=device).repeat(
         bs, 1
-    )  # low words: flat index
+    )  # low word: flat index
     high = _high_words(keys)
     scratch = torch.empty(bs, budget, dtype=torch.int64, device=device)
     for d in range(1, depth_limit):
-        cand = (scores[d - 1].unsqueeze(2) + lp[:, d, :].unsqueeze(1)).view(
-            bs, budget * kk
-        )
-        torch.bitwise_and(
-            cand.view(torch.int32), _MAG31, out=high
-        )  # high words: score order
-        chosen = torch.topk(keys, budget, dim=1, largest=False, sorted=False).values
-        torch.sort(chosen.bitwise_and_(_LOW32), dim=1, out=(flats[d], scratch))
+        cand = (scores[d - 1].unsqueeze(2) + lp[:, d, :].unsqueeze(1)).view(bs, -1)
+        _select_lexicographic(cand, keys, high, budget, flats[d], scratch)
         torch.gather(cand, 1, flats[d], out=scores[d])
 
     # global top-B over the union: key = (score desc, depth asc, lexicographic position asc)

@@ -194,3 +194,18 @@ def test_reference_rejects_bad_inputs():
             build(lp, ids, 3, topk_cap=0)
         with pytest.raises(ValueError, match=r"\[bs, L, K\]"):
             build(lp[0], ids[0], 3)
+
+
+@pytest.mark.parametrize("method", ["topk", "sort", "threshold"])
+def test_beam_selection_variants_equal_reference(method, monkeypatch):
+    """The three per-depth selection kernels of build_tree give the reference tree."""
+    monkeypatch.setattr(du, "_BEAM_SELECT", method)
+    for seed in range(40):
+        gen = torch.Generator().manual_seed(seed)
+        depth, vocab, budget = 1 + seed % 5, 1 + seed % 7, 1 + (seed * 7) % 45
+        lp, ids = random_inputs(seed, 3, depth, vocab, 8, 1 + seed % 4, 0.2 * (seed % 3))
+        valid = torch.rand(3, generator=gen) > 0.2
+        ref = du.build_tree_reference(lp, ids, budget, valid=valid)
+        fast = du.build_tree(lp, ids, budget, valid=valid)
+        for name, a, b in zip(ref._fields, ref, fast):
+            assert torch.equal(a, b), (seed, name)
