@@ -31,41 +31,50 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
-VOCAB = 2048
-MASK_TOKEN_ID = VOCAB - 1
-TARGET_CONFIG = {
-    "architectures": ["Qwen3ForCausalLM"],
-    "model_type": "qwen3",
-    "vocab_size": VOCAB,
-    "hidden_size": 256,
-    "intermediate_size": 512,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 64,
-    "max_position_embeddings": 4096,
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 1000000.0,
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-    "hidden_act": "silu",
-    "attention_bias": False,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-}
-# Draft features come from target layers whose ids are < num_hidden_layers - 1.
-DRAFT_CONFIG = dict(
-    TARGET_CONFIG,
-    architectures=["DFlashDraftModel"],
-    num_hidden_layers=1,
-    block_size=16,
-    num_target_layers=4,
-    dflash_config={
-        "target_layer_ids": [0, 2],
-        "mask_token_id": MASK_TOKEN_ID,
-        "block_size": 16,
-    },
-)
+# A small vocabulary makes random-weight drafts hit the target's argmax often enough that
+# trees are accepted several nodes deep (the tree mask, KV compaction and hidden gathers
+# then matter for the output); --vocab 2048 gives the near-zero acceptance of a real vocab.
+DEFAULT_VOCAB = 32
+
+
+def model_configs(vocab: int) -> tuple[dict, dict]:
+    """Tiny Qwen3 target and DFlash draft configs (dummy weights)."""
+    target = {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "vocab_size": vocab,
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    # Draft features come from target layers whose ids are < num_hidden_layers - 1.
+    draft = dict(
+        target,
+        architectures=["DFlashDraftModel"],
+        num_hidden_layers=1,
+        block_size=16,
+        num_target_layers=4,
+        dflash_config={
+            "target_layer_ids": [0, 2],
+            "mask_token_id": vocab - 1,
+            "block_size": 16,
+        },
+    )
+    return target, draft
+
+
 PROMPT_LENS = (3, 9, 26, 48, 77, 120, 191, 260, 14, 33)
 COMMON_ARGS = (
     "--sampling-backend pytorch --disable-piecewise-cuda-graph --grammar-backend none "
@@ -170,6 +179,7 @@ def extra_checks(
     prompts: list[list[int]],
     max_new: int,
     reference: list[list[int]],
+    vocab: int,
 ) -> dict:
     """Sampling, logprobs refusal while serving, /get_server_info (and debug metrics)."""
     checks: dict = {}
@@ -188,7 +198,7 @@ def extra_checks(
         },
     )
     ok = code == 200 and all(
-        len(o["output_ids"]) == max_new and all(0 <= t < VOCAB for t in o["output_ids"])
+        len(o["output_ids"]) == max_new and all(0 <= t < vocab for t in o["output_ids"])
         for o in outs
     )
     checks["sampling_valid"] = bool(ok)
@@ -246,6 +256,7 @@ def run_config(
     prompts: list[list[int]],
     max_new: int,
     startup_timeout: float,
+    vocab: int,
 ) -> None:
     tdir, ddir = os.path.join(models, "target"), os.path.join(models, "draft")
     extra = cfg.extra.format(draft=ddir, target=tdir)
@@ -294,7 +305,9 @@ def run_config(
         rec["outputs"] = [o["output_ids"] for o in outs]
         rec["accept_len"] = [o["meta_info"].get("spec_accept_length") for o in outs]
         if cfg.extras_checks:
-            rec["checks"] = extra_checks(cfg, port, prompts, max_new, rec["outputs"])
+            rec["checks"] = extra_checks(
+                cfg, port, prompts, max_new, rec["outputs"], vocab
+            )
     except Exception as e:  # noqa: BLE001 - any failure is recorded in the summary
         rec["error"] = repr(e)
     finally:
@@ -394,15 +407,16 @@ def main() -> int:
     ap.add_argument("--port", type=int, default=31000)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--startup-timeout", type=float, default=420)
+    ap.add_argument("--vocab", type=int, default=DEFAULT_VOCAB)
     a = ap.parse_args()
 
     os.makedirs(a.out, exist_ok=True)
-    for sub, cfg in (("target", TARGET_CONFIG), ("draft", DRAFT_CONFIG)):
+    for sub, cfg in zip(("target", "draft"), model_configs(a.vocab)):
         os.makedirs(os.path.join(a.models, sub), exist_ok=True)
         with open(os.path.join(a.models, sub, "config.json"), "w") as f:
             json.dump(cfg, f)
     rng = random.Random(0)
-    prompts = [[rng.randrange(3, VOCAB - 2) for _ in range(n)] for n in PROMPT_LENS]
+    prompts = [[rng.randrange(3, a.vocab - 1) for _ in range(n)] for n in PROMPT_LENS]
 
     configs = build_matrix(
         a.backends.split(","),
@@ -425,7 +439,14 @@ def main() -> int:
         with slots:
             print(f"start {cfg.name} on :{port}", flush=True)
             run_config(
-                cfg, port, a.models, a.out, prompts, a.max_new_tokens, a.startup_timeout
+                cfg,
+                port,
+                a.models,
+                a.out,
+                prompts,
+                a.max_new_tokens,
+                a.startup_timeout,
+                a.vocab,
             )
             print(
                 f"done  {cfg.name}: { {k: v for k, v in cfg.result.items() if k not in ('outputs', 'cmd', 'checks')} }",
