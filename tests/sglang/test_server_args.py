@@ -118,6 +118,20 @@ def test_topk_cap_above_budget_is_clamped(parse):
     assert_ddtree_shape(args, block=DRAFT_BLOCK, budget=5, topk_cap=5)
 
 
+def test_eagle_knobs_are_derived_not_taken(parse):
+    args = parse("--attention-backend", "triton", "--speculative-num-steps", "3",
+                 "--speculative-eagle-topk", "1", "--speculative-ddtree-budget", "40")
+    assert_ddtree_shape(args, block=DRAFT_BLOCK, budget=40, topk_cap=16)
+
+
+def test_draft_window_must_cover_the_block(parse):
+    args = parse("--attention-backend", "triton", "--speculative-draft-window-size", str(2 * DRAFT_BLOCK))
+    assert args.speculative_draft_window_size == 2 * DRAFT_BLOCK
+    assert_ddtree_shape(args, block=DRAFT_BLOCK, budget=DRAFT_BLOCK - 1, topk_cap=DRAFT_BLOCK - 1)
+    with pytest.raises(ValueError, match=r"DDTREE.*--speculative-draft-window-size must be >="):
+        parse("--attention-backend", "triton", "--speculative-draft-window-size", str(DRAFT_BLOCK - 1))
+
+
 def test_flags_parse_and_lowercase_algorithm(parse):
     args = parse("--attention-backend", "triton", "--speculative-ddtree-allow-hybrid-unsafe",
                  "--speculative-ddtree-debug-metrics", algorithm="ddtree")
