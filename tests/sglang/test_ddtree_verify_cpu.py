@@ -22,14 +22,34 @@ HIDDEN = 8
 BLOCK = 16
 
 
-def _modules(overlay):
+def _modules() -> SimpleNamespace:
+    """The sglang pieces under test (imported after the overlay is on sys.path)."""
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.chunk_cache import ChunkCache
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang.srt.sampling.sampling_params import SamplingParams
+    from sglang.srt.speculative import ddtree_utils
+    from sglang.srt.speculative.dflash_info import DDTreeVerifyInput
 
-    return SimpleNamespace(**locals())
+    return SimpleNamespace(
+        Req=Req,
+        TokenToKVPoolAllocator=TokenToKVPoolAllocator,
+        CacheInitParams=CacheInitParams,
+        ChunkCache=ChunkCache,
+        ReqToTokenPool=ReqToTokenPool,
+        ForwardMode=ForwardMode,
+        SamplingParams=SamplingParams,
+        ddtree_utils=ddtree_utils,
+        DDTreeVerifyInput=DDTreeVerifyInput,
+    )
 
 
 @pytest.fixture(scope="module")
 def m(sglang_overlay):
-    return _modules(sglang_overlay)
+    return _modules()
 
 
 def _make_tree(m, bs, budget, seq_lens, seed):
