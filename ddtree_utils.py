@@ -63,8 +63,23 @@ _MAG31 = 0x7FFFFFFF
 # ----------------------------------------------------------------------------------------------
 
 
+_SUMEXP = None
+
+
+def _fused_sumexp(x: Tensor, shift: Tensor) -> Tensor:
+    """``sum(exp(x - shift))`` in float32 as one fused kernel (torch.compile; compiled once)."""
+    global _SUMEXP
+    if _SUMEXP is None:
+
+        def sumexp(v: Tensor, s: Tensor) -> Tensor:
+            return torch.exp(v.float() - s).sum(dim=-1, keepdim=True)
+
+        _SUMEXP = torch.compile(sumexp, dynamic=True)
+    return _SUMEXP(x, shift)
+
+
 def _chunked_logsumexp(
-    logits: Tensor, chunk_size: int, peak: Tensor | None = None
+    logits: Tensor, chunk_size: int, peak: Tensor | None = None, fused: bool = False
 ) -> Tensor:
     """float32 logsumexp over the last dim, reading ``chunk_size`` columns at a time.
 
@@ -76,6 +91,8 @@ def _chunked_logsumexp(
         peak = logits.amax(dim=-1, keepdim=True)
     peak = peak.float()
     shift = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
+    if fused:
+        return (shift + _fused_sumexp(logits, shift).log_()).squeeze(-1)
     total = None
     for start in range(0, logits.shape[-1], chunk_size):
         part = (
@@ -108,7 +125,12 @@ def _logp_from(vals: Tensor, lse: Tensor) -> Tensor:
 
 
 def draft_topk_logprobs(
-    logits: Tensor, k: int, *, chunk_size: int = 32768, validate: bool = True
+    logits: Tensor,
+    k: int,
+    *,
+    chunk_size: int = 32768,
+    validate: bool = True,
+    fused: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Per-position top-k token ids and log-probabilities under the full-vocabulary log-softmax.
 
@@ -118,6 +140,8 @@ def draft_topk_logprobs(
         chunk_size: vocabulary columns per logsumexp pass (bounds temporaries).
         validate: raise ``ValueError`` on NaN/+inf logits (one host sync); pass False inside
             CUDA graphs.
+        fused: compute the normaliser with a torch.compile-generated kernel that reads the
+            logits once (optional; needs a working torch.compile backend, e.g. Triton on CUDA).
 
     Returns:
         ``(topk_logp [bs, L, K] float32 sorted descending, topk_ids [bs, L, K] int64)``.
@@ -136,7 +160,7 @@ def draft_topk_logprobs(
             torch.empty(shape, dtype=torch.int64, device=logits.device),
         )
     vals, ids = torch.topk(logits, kk, dim=-1, largest=True, sorted=True)
-    lse = _chunked_logsumexp(logits, chunk_size, vals[..., :1])
+    lse = _chunked_logsumexp(logits, chunk_size, vals[..., :1], fused=fused)
     if validate:
         _check_lse(lse)
     return _logp_from(vals, lse), ids

@@ -93,6 +93,20 @@ def bench_case(args, device, logits, budget, time_it) -> dict:
     row["topk_logp_nocheck"] = time_it(
         lambda: du.draft_topk_logprobs(logits, k, validate=False), reps
     )
+    if args.fused:
+        row["topk_logp_fused"] = time_it(
+            lambda: du.draft_topk_logprobs(logits, k, validate=False, fused=True), reps
+        )
+    if device.type == "cuda":
+        for name, fused in [("topk_logp_graph", False)] + [
+            ("fused_graph", True)
+        ] * args.fused:
+            replay = capture(
+                lambda f=fused: du.draft_topk_logprobs(
+                    logits, k, validate=False, fused=f
+                )
+            )
+            row[name] = time_it(replay, reps)
     for chunk in args.chunks:
         row[f"topk_logp_c{chunk}"] = time_it(
             lambda c=chunk: du.draft_topk_logprobs(
@@ -125,8 +139,13 @@ def bench_case(args, device, logits, budget, time_it) -> dict:
         lambda: du.tree_custom_mask(compiled.tree_mask, lens_cpu), reps
     )
     if device.type == "cuda":
-        replay = capture(build_compile)
-        row["graph"] = time_it(replay, reps)
+        default = du._BEAM_SELECT
+        for method in args.selects:
+            du._BEAM_SELECT = method
+            row[f"graph_{method}"] = time_it(capture(build_compile), reps)
+            row[f"graph_build_{method}"] = time_it(capture(build), reps)
+        du._BEAM_SELECT = default
+        row["graph"] = time_it(capture(build_compile), reps)
     row["heap"] = time_it(lambda: du.build_tree_reference(lp, ids, budget), heap_reps)
     fast = row.get("graph", row["build_compile"])
     row["heap_over_fast"] = row["heap"] / fast
@@ -144,7 +163,7 @@ COLUMNS = [
 
 
 def print_table(rows: list[dict], header: bool = True) -> None:
-    extra = sorted({c for r in rows for c in r if c.startswith("topk_logp_c")})
+    extra = sorted({c for r in rows for c in r if c not in COLUMNS})
     cols = [c for c in COLUMNS + extra if any(c in r for r in rows)]
     if header:
         print(" | ".join(f"{c:>13}" for c in cols))
@@ -158,7 +177,8 @@ def print_table(rows: list[dict], header: bool = True) -> None:
 
 MD_COLUMNS = [
     ("bs", "bs"), ("B", "B"), ("bare_topk", "bare topk"), ("topk_logp", "topk+logp"),
-    ("logp_over_bare", "ratio"), ("naive_logp", "log_softmax+topk"), ("build", "build"),
+    ("logp_over_bare", "ratio"), ("topk_logp_graph", "topk+logp graph"),
+    ("topk_logp_fused", "fused"), ("fused_graph", "fused graph"), ("naive_logp", "log_softmax+topk"), ("build", "build"),
     ("build_compile", "build+compile"), ("graph", "graph replay"), ("custom_mask", "custom mask"),
     ("heap", "heap ref"), ("heap_over_fast", "heap / fast"), ("exact", "exact"),
 ]  # fmt: skip
@@ -191,6 +211,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=50)
     p.add_argument("--heap-reps", type=int, default=5)
     p.add_argument("--skip-naive", action="store_true")
+    p.add_argument(
+        "--fused", action="store_true", help="also time fused=True (torch.compile)"
+    )
+    p.add_argument(
+        "--selects", nargs="*", default=[], help="beam-selection kernels to time"
+    )
     p.add_argument(
         "--chunks", type=int, nargs="*", default=[], help="extra chunk sizes to time"
     )

@@ -158,3 +158,11 @@ def test_greedy_reference_matches_sgl_kernel():
     assert torch.equal(plan.last_node, acc.gather(1, acc_len.view(bs, 1)).view(bs))
     last_flat = plan.last_node + torch.arange(bs, device="cuda") * n
     assert torch.equal(predicts.long()[last_flat], bonus)
+
+
+def test_fused_normaliser_matches_chunked():
+    logits = (torch.randn(3, 15, 151936, device="cuda") * 3).bfloat16()
+    a_lp, a_ids = du.draft_topk_logprobs(logits, 32, validate=False, fused=True)
+    b_lp, b_ids = du.draft_topk_logprobs(logits, 32, validate=False)
+    assert torch.equal(a_ids, b_ids)
+    assert torch.allclose(a_lp, b_lp, atol=1e-5)
