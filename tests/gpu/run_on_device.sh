@@ -11,8 +11,13 @@ if [ -f "$root/.gpu/flashinfer-cache.tgz" ]; then mkdir -p ~/.cache && tar -xzf 
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$out/gpu.txt"
 python3 -c "import torch, sglang; print('torch', torch.__version__, 'sglang', sglang.__version__)" >> "$out/gpu.txt" 2>&1
+cp "$root/.gpu/overlay/BUILD-REV" "$out/" 2>/dev/null
+(cd "$root" && python3 -m pytest --noconftest -p no:cacheprovider -q tests/gpu/test_verify_kernels.py) > "$out/kernels.log" 2>&1
+krc=$?
+tail -3 "$out/kernels.log"
 python3 "$root/tests/gpu/ddtree_e2e.py" --out /tmp/ddtree-run "$@"
 rc=$?
+[ $rc -eq 0 ] && rc=$krc
 cp /tmp/ddtree-run/summary.json /tmp/ddtree-run/table.md "$out/" 2>/dev/null
 tar -czf "$out/logs.tgz" -C /tmp/ddtree-run --exclude summary.json --exclude table.md . 2>/dev/null
 exit $rc
