@@ -112,6 +112,18 @@ def test_cuda_graph_batch_sizes(parse, hook):
     assert explicit.cuda_graph_bs == [hook.DDTREE_MAX_CUDA_GRAPH_TOKENS // 1024]
 
 
+@pytest.mark.parametrize(("block", "cap", "budget"), [(16, 1, 15), (2, 3, 3), (3, 2, 6), (4, 2, 14)])
+def test_smallest_trees_that_hold_the_budget(parse, block, cap, budget):
+    # A tree of depth <= block - 1 with cap children per node holds sum(cap**d) nodes.
+    assert budget == sum(cap**d for d in range(1, block))
+    args = parse("--attention-backend", "triton", "--speculative-dflash-block-size", str(block),
+                 "--speculative-ddtree-topk-cap", str(cap), "--speculative-ddtree-budget", str(budget))
+    assert_ddtree_shape(args, block=block, budget=budget, topk_cap=cap)
+    with pytest.raises(ValueError, match=f"holds at most {budget} nodes"):
+        parse("--attention-backend", "triton", "--speculative-dflash-block-size", str(block),
+              "--speculative-ddtree-topk-cap", str(cap), "--speculative-ddtree-budget", str(budget + 1))
+
+
 def test_topk_cap_above_budget_is_clamped(parse):
     args = parse("--attention-backend", "triton", "--speculative-ddtree-budget", "5",
                  "--speculative-ddtree-topk-cap", "50")
@@ -222,6 +234,11 @@ def test_other_algorithms_are_unchanged(parse):
         (["--speculative-ddtree-budget", "-4"], r"--speculative-ddtree-budget.*got -4"),
         (["--speculative-ddtree-budget", "1024"], r"--speculative-ddtree-budget.*got 1024"),
         (["--speculative-ddtree-topk-cap", "0"], r"--speculative-ddtree-topk-cap >= 1, got 0"),
+        (["--speculative-ddtree-topk-cap", "1", "--speculative-ddtree-budget", str(DRAFT_BLOCK)],
+         rf"holds at most {DRAFT_BLOCK - 1} nodes, fewer than --speculative-ddtree-budget {DRAFT_BLOCK}"),
+        (["--speculative-dflash-block-size", "2", "--speculative-ddtree-topk-cap", "3",
+          "--speculative-ddtree-budget", "4"], r"holds at most 3 nodes"),
+        (["--speculative-dflash-block-size", "1"], r"block size >= 2.*got 1"),
         (["--speculative-num-draft-tokens", "8", "--speculative-ddtree-budget", "31"],
          r"must equal --speculative-ddtree-budget \+ 1"),
         (["--attention-backend", "torch_native"], r"tree mask.*flashinfer, triton, fa3.*got torch_native"),
