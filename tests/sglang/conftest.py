@@ -67,6 +67,8 @@ def sglang_overlay(tmp_path_factory) -> Overlay:
         pytest.fail(f"sglang was imported from {loaded.__file__} before the overlay fixture ran")
     if os.environ.get("DDTREE_BUILD_DIR"):
         build_dir = Path(os.environ["DDTREE_BUILD_DIR"])
+        if not (build_dir / "srt").is_dir():
+            pytest.fail(f"DDTREE_BUILD_DIR={build_dir} is not a build directory (no srt/)")
     else:
         build_dir = _assemble_build(tmp_path_factory.mktemp("ddtree-build"))
     make_overlay(build_dir, root, installed)
