@@ -14,6 +14,7 @@ and skip when sglang is not installed in this Python.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import sys
 from pathlib import Path
@@ -78,6 +79,21 @@ def sglang_overlay(tmp_path_factory) -> Overlay:
 
     assert root in Path(sglang.__file__).resolve().parents, sglang.__file__
     return Overlay(root, build_dir, installed)
+
+
+@pytest.fixture(autouse=True)
+def _restore_root_logging():
+    """prepare_server_args() calls logging.basicConfig(force=True); undo it after each test."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    for h in list(root.handlers):
+        if h not in handlers:
+            root.removeHandler(h)
+    for h in handlers:
+        if h not in root.handlers:
+            root.addHandler(h)
+    root.setLevel(level)
 
 
 @pytest.fixture(scope="session")
