@@ -306,3 +306,145 @@ def test_prepare_for_verify_refuses_paged_kv_and_missing_mask(m):
     vi.custom_mask = None
     with pytest.raises(ValueError, match="custom_mask"):
         vi.prepare_for_verify(batch, page_size=1)
+
+
+# --- DDTreeWorker pieces that run without a model ------------------------------------------
+# A DDTreeWorker needs loaded target and draft models (GPU). The methods below are called on
+# stand-in `self` objects carrying only the attributes they read.
+
+
+@pytest.fixture(scope="module")
+def worker_mod(sglang_overlay):
+    from sglang.srt.speculative import dflash_worker
+
+    return dflash_worker
+
+
+class _Recorder:
+    """Stands in for a hybrid attention backend: records the Mamba commit call."""
+
+    def __init__(self):
+        self.calls = []
+
+    def update_mamba_state_after_mtp_verify(self, **kwargs):
+        self.calls.append(kwargs)
+
+
+def test_mamba_commit_uses_the_tree_node_of_each_committed_token(worker_mod):
+    backend = _Recorder()
+    fake = SimpleNamespace(
+        target_worker=SimpleNamespace(
+            model_runner=SimpleNamespace(attn_backend=backend, model=None)
+        ),
+        server_args=SimpleNamespace(mamba_track_interval=4),
+    )
+    # Paths (block-local, root first): request 0 commits 3 tokens, request 1 one.
+    path = torch.tensor([[0, 2, 7, -1], [0, -1, -1, -1]])
+    commit = torch.tensor([3, 1], dtype=torch.int32)
+    pre = torch.tensor([6, 9])
+    batch = SimpleNamespace(
+        seq_lens=pre + commit, mamba_track_indices=torch.tensor([0, 1])
+    )
+    worker_mod.DFlashWorker._update_target_mamba_state_after_verify(
+        fake,
+        batch=batch,
+        seq_lens_pre_verify=pre,
+        commit_lens=commit,
+        step_index_map=path,
+    )
+    (call,) = backend.calls
+    assert call["last_correct_step_indices"].tolist() == [7, 0]
+    # Request 0 crosses the track point 8 at its 2nd committed token (index 1) -> node 2.
+    steps = call["mamba_steps_to_track"].tolist()
+    ith = (((pre + commit) // 4) * 4 - pre - 1).clamp(min=0)
+    crosses = (pre // 4 != (pre + commit) // 4) & (ith < commit)
+    want = [int(path[b, ith[b]]) if crosses[b] else -1 for b in range(2)]
+    assert steps == want and steps[0] == 2
+
+
+def test_chain_mamba_commit_is_unchanged_without_a_map(worker_mod):
+    backend = _Recorder()
+    fake = SimpleNamespace(
+        target_worker=SimpleNamespace(
+            model_runner=SimpleNamespace(attn_backend=backend, model=None)
+        ),
+        server_args=SimpleNamespace(mamba_track_interval=4),
+    )
+    commit = torch.tensor([3, 1], dtype=torch.int32)
+    batch = SimpleNamespace(seq_lens=torch.tensor([9, 10]), mamba_track_indices=None)
+    worker_mod.DFlashWorker._update_target_mamba_state_after_verify(
+        fake, batch=batch, seq_lens_pre_verify=torch.tensor([6, 9]), commit_lens=commit
+    )
+    assert backend.calls[0]["last_correct_step_indices"].tolist() == [2, 0]
+
+
+def test_hybrid_target_is_refused_without_the_flag(worker_mod):
+    target = SimpleNamespace(model_runner=SimpleNamespace(attn_backend=_Recorder()))
+    args = SimpleNamespace(
+        speculative_ddtree_allow_hybrid_unsafe=False, speculative_eagle_topk=2
+    )
+    worker = worker_mod.DDTreeWorker.__new__(worker_mod.DDTreeWorker)
+    with pytest.raises(ValueError, match="--speculative-ddtree-allow-hybrid-unsafe"):
+        worker.__init__(args, 0, 0, None, 0, 0, 0, 0, target)
+
+
+class _FakeTPGroup:
+    """Two-rank tensor-parallel group seen from rank 0: all_gather fills rank 1's share from
+    precomputed statistics (one process cannot hold both ranks)."""
+
+    world_size = 2
+
+    def __init__(self, other):
+        self.other = list(other)
+
+    def all_gather_into_tensor(self, out, inp):
+        out[0].copy_(inp)
+        out[1].copy_(self.other.pop(0))
+
+
+def _lm_head(weight, start):
+    shard = SimpleNamespace(
+        num_org_elements=weight.shape[0], org_vocab_start_index=start
+    )
+    return SimpleNamespace(weight=weight, shard_indices=shard)
+
+
+def test_draft_topk_logprobs_single_and_two_shards(worker_mod, monkeypatch):
+    gen = torch.Generator().manual_seed(3)
+    bs, depth, hidden, vocab, k = 2, 5, 16, 40, 6
+    hs = torch.randn(bs, depth, hidden, generator=gen)
+    weight = torch.randn(vocab, hidden, generator=gen)
+    full = torch.log_softmax(hs @ weight.T, dim=-1)
+    want_logp, want_ids = full.topk(k, dim=-1)
+
+    monkeypatch.setattr(
+        worker_mod, "get_tp_group", lambda: SimpleNamespace(world_size=1)
+    )
+    logp, ids = worker_mod.DDTreeWorker._draft_topk_logprobs(
+        None, hs, _lm_head(weight, 0), k, token_chunk=3
+    )
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(logp, want_logp, rtol=0, atol=1e-5)
+
+    # Rank 0 owns ids [0, 20), rank 1 [20, 40).
+    half = vocab // 2
+    other = worker_mod.ddtree_utils.shard_topk_stats(
+        (hs @ weight[half:].T).reshape(1, bs * depth, half), k, half
+    )
+    monkeypatch.setattr(worker_mod, "get_tp_group", lambda: _FakeTPGroup(other))
+    logp, ids = worker_mod.DDTreeWorker._draft_topk_logprobs(
+        None, hs, _lm_head(weight[:half], 0), k, token_chunk=bs * depth
+    )
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(logp, want_logp, rtol=0, atol=1e-5)
+
+
+def test_debug_metrics_histogram(worker_mod):
+    metrics = worker_mod._DDTreeDebugMetrics(max_depth=3)
+    metrics.record(tree_nodes=30, accepted=[0, 2, 3], build_ms=1.5)
+    metrics.record(tree_nodes=20, accepted=[5, 1], build_ms=0.5)
+    snap = metrics.snapshot()
+    assert snap["rounds"] == 2
+    assert snap["accepted_depth_hist"] == [1, 1, 1, 2]  # depth 5 clamps to max_depth
+    assert snap["avg_tree_size"] == 50 / 5
+    assert snap["avg_tree_build_ms"] == 1.0
