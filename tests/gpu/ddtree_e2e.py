@@ -192,7 +192,7 @@ def extra_checks(
                 "max_new_tokens": max_new,
                 "temperature": 0.7,
                 "top_p": 0.9,
-                "top_k": 50,
+                "top_k": 20,
                 "ignore_eos": True,
             },
         },
