@@ -227,17 +227,28 @@ def site_packages_source(directory: Path) -> Source:
         if rec.is_file():
             record = _record_hashes(rec.read_text())
     if version is None:
-        vfile = site / "sglang" / "version.py"
-        m = re.search(r"__version__\s*=\s*['\"]([^'\"]+)", vfile.read_text()) if vfile.is_file() else None
-        if not m:
-            raise UsageError(f"{directory}: cannot tell the installed sglang version (no dist-info, no version.py)")
-        version = m.group(1)
+        version = _version_from_source(site / "sglang")
+        if version is None:
+            raise UsageError(f"{directory}: cannot tell the installed sglang version (no dist-info, no version file)")
 
     def read(rel: str) -> bytes | None:
         p = site / "sglang" / rel
         return p.read_bytes() if p.is_file() else None
 
     return Source(version, read, record, label=str(site / "sglang"))
+
+
+_VERSION_RE = re.compile(r"""^__version__\s*=\s*(?:version\s*=\s*)?['"]([^'"]+)['"]""", re.MULTILINE)
+
+
+def _version_from_source(pkg: Path) -> str | None:
+    """A top-level `__version__ = '...'` in sglang/_version.py or sglang/version.py."""
+    for name in ("_version.py", "version.py"):
+        f = pkg / name
+        m = _VERSION_RE.search(f.read_text()) if f.is_file() else None
+        if m:
+            return m.group(1)
+    return None
 
 
 @dataclass

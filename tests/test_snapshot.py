@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import importlib.util
+import importlib.metadata
 import json
 import shutil
 import zipfile
@@ -63,10 +63,18 @@ def test_real_snapshot_matches_its_manifest():
     assert manifest.wheel_name.startswith(f"sglang-{snap.PINNED_VERSION}-")
 
 
-@pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="sglang is not installed here")
+def _installed_site() -> Path | None:
+    """site-packages of the installed sglang distribution (not an overlay earlier on sys.path)."""
+    try:
+        return Path(importlib.metadata.distribution("sglang").locate_file(""))
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+@pytest.mark.skipif(_installed_site() is None, reason="sglang is not installed here")
 def test_real_snapshot_equals_the_installed_upstream_package(ddtree):
     """The installed sglang==0.5.13.post1 (its files checked against RECORD) has the same bytes."""
-    site = Path(importlib.util.find_spec("sglang").origin).parent.parent
+    site = _installed_site()
     source = snap.site_packages_source(site)
     if source.version != snap.PINNED_VERSION:
         pytest.skip(f"installed sglang is {source.version}")
@@ -218,3 +226,15 @@ def test_new_pin_imports_the_files_of_the_current_pin(tmp_path, cli):
     assert r.exit_code == 0, r.output
     assert sorted(json.loads(r.stdout)["added"]) == sorted(current)
     assert snap.verify(tmp_path / "s" / "sglang-7.0.0").sglang_version == "7.0.0"
+
+
+def test_version_from_package_files_without_dist_info(tmp_path):
+    site = make_site(tmp_path, "1.1.1", UPSTREAM)
+    shutil.rmtree(site / "sglang-1.1.1.dist-info")
+    (site / "sglang" / "version.py").write_text(
+        "try:\n    from sglang._version import __version__\nexcept ImportError:\n    __version__ = '0.0.0.dev0'\n")
+    (site / "sglang" / "_version.py").write_text("__version__ = version = '1.1.1'\n")
+    assert snap.site_packages_source(site).version == "1.1.1"
+    (site / "sglang" / "_version.py").unlink()
+    with pytest.raises(UsageError, match="cannot tell"):
+        snap.site_packages_source(site / "sglang")
