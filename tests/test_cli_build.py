@@ -6,7 +6,7 @@ import datetime as dt
 import json
 
 import pytest
-from foundation_support import UPSTREAM, edit, error_lines
+from foundation_support import REPO_ROOT, UPSTREAM, edit, error_lines
 
 from deploy.build import build
 from deploy.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, ConfigError
@@ -169,3 +169,13 @@ def test_refresh_of_a_patch_whose_changes_were_reverted_is_refused(patched_proje
     _edit_build(patched_project, MOD, "return y * 20", "return y * 2")
     with pytest.raises(ConfigError, match="would be empty"):
         refresh(patched_project.inputs(), "0002")
+
+
+def test_defaults_are_the_repository_directories(ddtree, tmp_path):
+    """Run from another directory with no path options: the repository's series and snapshot."""
+    r = ddtree("series", "--json", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert [p["patch"] for p in json.loads(r.stdout)["patches"]] == load_series(REPO_ROOT / "patches").names
+    r = ddtree("snapshot", "verify", "--json", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["problems"] == []
