@@ -84,6 +84,8 @@ class HostFacts:
 def classify(build: BuildInfo, remote: dict, releases: list[dict]) -> list[FileState]:
     released: dict[tuple[str, str], str] = {}
     for rec in releases:
+        if rec.get("outcome") in (None, "staging", "aborted"):  # never swapped in
+            continue
         for rel, sha in (rec.get("files") or {}).items():
             released[(rel, sha)] = rec.get("id", "?")
     out = []

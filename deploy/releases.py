@@ -22,6 +22,7 @@ from pathlib import Path
 from deploy import health, lock, records, restart
 from deploy.buildinfo import BuildInfo
 from deploy.errors import (
+    EXIT_FAILED,
     EXIT_OK,
     DDTreeDeployError,
     DeployFailed,
@@ -294,6 +295,11 @@ def run_host(host: Host, inventory: Inventory, action: str, events: Events | Non
             out = r.rollback(kw.get("to"), break_lock=kw.get("break_lock", False))
     except DDTreeDeployError as exc:
         out = Outcome(host.name, action, False, exc.exit_code, exc.message, detail=exc.detail)
+    except Exception as exc:  # a bug or an unmapped library error: report it in this host's row, keep the others going
+        import traceback
+
+        out = Outcome(host.name, action, False, EXIT_FAILED, f"{host.name}: unexpected error {type(exc).__name__}: {exc}",
+                      detail=traceback.format_exc(limit=8))
     finally:
         if t is not None:
             t.close()

@@ -1,0 +1,81 @@
+"""Transport behaviour over real SSH and locally: remote-side timeouts, argument quoting, strict
+host keys on every hop (ProxyJump), the agent's facts."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+
+import pytest
+
+from deploy.errors import RemoteUnreachable
+from deploy.facts import call_agent
+from deploy.inventory import load_inventory
+from deploy.transport import LocalTransport, connect, wrap
+
+
+def test_wrap_quotes_and_bounds_every_command():
+    cmd = wrap("echo \"$X\" 'a b'", 7, {"X": "it's; rm -rf /"})
+    r = subprocess.run(["sh", "-c", cmd], capture_output=True, text=True)
+    assert r.stdout == "it's; rm -rf / a b\n"
+    assert cmd.startswith("timeout -k 5 7 sh -c ")
+
+
+@pytest.fixture
+def inv(bed):
+    return load_inventory(bed["inventory"])
+
+
+@pytest.mark.ssh
+@pytest.mark.parametrize("name", ["ct200", "gpu-b", "local"])
+def test_remote_timeout_kills_the_command_on_the_host(inv, name):
+    t = connect(inv.get(name), inv)
+    try:
+        marker = f"sleep 61.{time.time_ns() % 10**6:06d}"  # unique command line to look for afterwards
+        t0 = time.monotonic()
+        r = t.run(marker, timeout_s=1)
+        assert r.rc == 124 and time.monotonic() - t0 < 15
+        time.sleep(0.5)
+        left = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True)
+        assert left.stdout.strip() == ""  # nothing left running on the host
+    finally:
+        t.close()
+
+
+@pytest.mark.ssh
+def test_agent_facts_through_proxyjump_with_odd_arguments(inv, bed):
+    t = connect(inv.get("gpu-b"), inv)  # ssh_config alias + ProxyJump through the loopback sshd
+    try:
+        odd = "srt/it's a \"file\"; $(touch /tmp/ddtree-pwned).py"
+        out = call_agent(t, "facts", {"sglang_dir": None, "files": [odd, "srt/server_args.py"], "state_dir": "/nonexistent/x"})
+        h = bed["hosts"]["gpu-b"]
+        assert out["sglang_dir"] == str(h.sglang) and out["version"] == "0.5.13.post1"
+        assert out["files"][odd] is None and out["files"]["srt/server_args.py"]["size"] == (h.sglang / "srt/server_args.py").stat().st_size
+    finally:
+        t.close()
+    assert not __import__("os").path.exists("/tmp/ddtree-pwned")
+
+
+@pytest.mark.ssh
+def test_gateway_hop_is_strict_too(inv, bed, tmp_path):
+    """gpu-b's known_hosts lists only gpu-b: the bastion hop's key is unknown, so nothing connects."""
+    kh = tmp_path / "kh"
+    kh.write_text("".join(line for line in bed["ssh"].known_hosts.read_text().splitlines(True) if "127.0.0.1" not in line))
+    h = inv.get("gpu-b").model_copy(update={"known_hosts": str(kh)})
+    with pytest.raises(RemoteUnreachable, match="not in known_hosts"):
+        connect(h, inv)
+
+
+def test_local_transport_runs_with_env(tmp_path):
+    from deploy.inventory import Host
+
+    h = Host.model_validate({"name": "local", "python": "/usr/bin/python3", "env": {"GREETING": "hi there"},
+                             "restart": {"strategy": "command", "start": "true", "stop": "true", "status": "true"}})
+    t = LocalTransport(h)
+    r = t.run('printf "%s" "$GREETING"')
+    assert r.ok and r.stdout == "hi there"
+    src = tmp_path / "a"
+    src.write_bytes(b"x" * 1000)
+    seen = []
+    t.put(src, str(tmp_path / "d" / "b"), seen.append)
+    assert (tmp_path / "d" / "b").read_bytes() == src.read_bytes() and sum(seen) == 1000
