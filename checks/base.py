@@ -57,5 +57,12 @@ class GateResult:
     seconds: float = 0.0
 
     def to_json(self) -> dict:
-        return {"gate": self.number, "name": self.name, "status": self.status, "files": self.files,
-                "summary": self.summary, "details": self.details, "seconds": round(self.seconds, 3)}
+        return {
+            "gate": self.number,
+            "name": self.name,
+            "status": self.status,
+            "files": self.files,
+            "summary": self.summary,
+            "details": self.details,
+            "seconds": round(self.seconds, 3),
+        }

@@ -63,8 +63,13 @@ def run(ctx: Context, step: Step) -> GateResult:
     details, status = list(notes), PASS
     for exe, version in pythons:
         step(f"py_compile with Python {version}")
-        proc = subprocess.run([exe, "-c", _COMPILE, str(info.root), *rels], capture_output=True, text=True,
-                              timeout=ctx.timeout_s, check=False)
+        proc = subprocess.run(
+            [exe, "-c", _COMPILE, str(info.root), *rels],
+            capture_output=True,
+            text=True,
+            timeout=ctx.timeout_s,
+            check=False,
+        )
         errors = [ln for ln in proc.stdout.splitlines() if ln.strip()]
         if proc.returncode != 0 and not errors:
             errors = [f"Python {version} failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}"]

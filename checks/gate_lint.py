@@ -35,9 +35,25 @@ def ruff(paths: list[Path]) -> dict[str, list[dict]]:
     """{resolved path: [diagnostic]} for `ruff check --select F`, ignoring any project config."""
     if not paths:
         return {}
-    proc = subprocess.run([ruff_exe(), "check", "--isolated", "--no-cache", "--select", "F",
-                           "--target-version", "py310", "--output-format", "json", "--exit-zero",
-                           *map(str, paths)], capture_output=True, text=True, check=False)
+    proc = subprocess.run(
+        [
+            ruff_exe(),
+            "check",
+            "--isolated",
+            "--no-cache",
+            "--select",
+            "F",
+            "--target-version",
+            "py310",
+            "--output-format",
+            "json",
+            "--exit-zero",
+            *map(str, paths),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if proc.returncode != 0:
         raise ConfigError(f"ruff failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
     out: dict[str, list[dict]] = {}
@@ -65,8 +81,7 @@ def _key(d: dict) -> tuple[str, str]:
 def run(ctx: Context, step: Step) -> GateResult:
     info = ctx.build()
     snap_dir = Path(ctx.inputs.snapshot_dir)
-    touched = sorted(r for r, f in info.files.items()
-                     if r.endswith(".py") and f.sha256 != f.pristine_sha256)
+    touched = sorted(r for r, f in info.files.items() if r.endswith(".py") and f.sha256 != f.pristine_sha256)
     step(f"ruff on {len(touched)} changed file(s)")
     new_diags = ruff([info.root / r for r in touched])
     old_diags = ruff([snap_dir / r for r in touched if info.files[r].pristine_sha256])
@@ -85,8 +100,10 @@ def run(ctx: Context, step: Step) -> GateResult:
                     if d["location"]["row"] not in lines:
                         extra[_key(d)] -= 1
                     flagged.append(d)
-        problems += [f"{rel}:{d['location']['row']}:{d['location']['column']}: {d.get('code')} {d['message']}"
-                     for d in sorted(flagged, key=lambda d: (d["location"]["row"], d["location"]["column"]))]
+        problems += [
+            f"{rel}:{d['location']['row']}:{d['location']['column']}: {d.get('code')} {d['message']}"
+            for d in sorted(flagged, key=lambda d: (d["location"]["row"], d["location"]["column"]))
+        ]
     if problems:
         return GateResult(NUMBER, NAME, FAIL, len(touched), f"{len(problems)} new diagnostic(s)", problems)
     return GateResult(NUMBER, NAME, PASS, len(touched), "no new pyflakes-class diagnostics")

@@ -40,14 +40,22 @@ def run(ctx: Context, step: Step) -> GateResult:
         shutil.copytree(info.root, work)
         (work / MANIFEST_NAME).unlink()
         (work / SHIPPED_UTILS).unlink()
-        apply_series(work, p.series.entries, reverse=True, allow_offset=True,
-                     on_patch=lambda e: step(f"reverse-applying {e.name}"))
+        apply_series(
+            work,
+            p.series.entries,
+            reverse=True,
+            allow_offset=True,
+            on_patch=lambda e: step(f"reverse-applying {e.name}"),
+        )
         step("comparing with the snapshot")
         got, want = set(tree_files(work)), set(p.manifest.files)
         details = [f"{rel}: left over after reversing the series" for rel in sorted(got - want)]
         details += [f"{rel}: missing after reversing the series" for rel in sorted(want - got)]
-        details += [f"{rel}: differs from the snapshot after reversing the series"
-                    for rel in sorted(got & want) if sha256_file(work / rel) != p.manifest.files[rel]]
+        details += [
+            f"{rel}: differs from the snapshot after reversing the series"
+            for rel in sorted(got & want)
+            if sha256_file(work / rel) != p.manifest.files[rel]
+        ]
     finally:
         shutil.rmtree(work.parent, ignore_errors=True)
     if details:

@@ -19,10 +19,14 @@ def run(ctx: Context, step: Step) -> GateResult:
     files = {c.path for e in p.series.entries for c in patch_files(e.path)}
     work = Path(tempfile.mkdtemp(prefix="ddtree-gate-series-"))
     try:
-        assemble(p, work, allow_offset=False, with_utils=False,
-                 on_patch=lambda e: step(f"applying {e.name}"))
+        assemble(p, work, allow_offset=False, with_utils=False, on_patch=lambda e: step(f"applying {e.name}"))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     n = len(p.series.entries)
-    return GateResult(NUMBER, NAME, PASS, len(files),
-                      f"{n} patch(es) apply exactly, headers valid" if n else "empty series (snapshot only)")
+    return GateResult(
+        NUMBER,
+        NAME,
+        PASS,
+        len(files),
+        f"{n} patch(es) apply exactly, headers valid" if n else "empty series (snapshot only)",
+    )

@@ -27,8 +27,14 @@ def run(ctx: Context, step: Step) -> GateResult:
     n = sum(1 for r, f in info.files.items() if f.sha256 != f.pristine_sha256)
     step("importing the patched modules with the real sglang package")
     try:
-        proc = subprocess.run([ctx.python, "-m", "checks.sglang_smoke", "--build", str(info.root)],
-                              cwd=ctx.repo_root, capture_output=True, text=True, timeout=ctx.timeout_s, check=False)
+        proc = subprocess.run(
+            [ctx.python, "-m", "checks.sglang_smoke", "--build", str(info.root)],
+            cwd=ctx.repo_root,
+            capture_output=True,
+            text=True,
+            timeout=ctx.timeout_s,
+            check=False,
+        )
     except subprocess.TimeoutExpired:
         return GateResult(NUMBER, NAME, FAIL, n, f"timed out after {ctx.timeout_s:.0f} s")
     out = proc.stdout + proc.stderr

@@ -15,6 +15,12 @@ def run(ctx: Context, step: Step) -> GateResult:
     problems = snap.find_problems(snap_dir, manifest)
     n = len(manifest.files)
     if problems:
-        return GateResult(NUMBER, NAME, FAIL, n, f"{len(problems)} file(s) differ from the manifest",
-                          [p.describe(snap_dir) for p in problems])
+        return GateResult(
+            NUMBER,
+            NAME,
+            FAIL,
+            n,
+            f"{len(problems)} file(s) differ from the manifest",
+            [p.describe(snap_dir) for p in problems],
+        )
     return GateResult(NUMBER, NAME, PASS, n, f"{n} files match sglang {manifest.sglang_version}")

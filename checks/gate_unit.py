@@ -15,8 +15,14 @@ def run(ctx: Context, step: Step) -> GateResult:
         return GateResult(NUMBER, NAME, SKIP, 0, f"no {ctx.tests}/test_ddtree_utils*.py")
     step(f"pytest {' '.join(f.name for f in files)}")
     try:
-        proc = subprocess.run([ctx.python, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *map(str, files)],
-                              cwd=ctx.repo_root, capture_output=True, text=True, timeout=ctx.timeout_s, check=False)
+        proc = subprocess.run(
+            [ctx.python, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *map(str, files)],
+            cwd=ctx.repo_root,
+            capture_output=True,
+            text=True,
+            timeout=ctx.timeout_s,
+            check=False,
+        )
     except subprocess.TimeoutExpired:
         return GateResult(NUMBER, NAME, FAIL, len(files), f"timed out after {ctx.timeout_s:.0f} s")
     lines = [ln for ln in proc.stdout.strip().splitlines() if ln.strip()]

@@ -39,8 +39,9 @@ def select(names: list[str] | None = None, skip: list[str] | None = None) -> lis
     return sorted((g for g in chosen if g not in skipped), key=lambda g: g.NUMBER)
 
 
-def run_gates(ctx: Context, gates=None, *, on_start: Callable[[object], None] | None = None,
-              step: Step = lambda _msg: None) -> list[GateResult]:
+def run_gates(
+    ctx: Context, gates=None, *, on_start: Callable[[object], None] | None = None, step: Step = lambda _msg: None
+) -> list[GateResult]:
     """Run every gate (each independent of the others' results); a raised error is a failure."""
     results = []
     for gate in gates or GATES:
@@ -50,11 +51,13 @@ def run_gates(ctx: Context, gates=None, *, on_start: Callable[[object], None] | 
         try:
             result = gate.run(ctx, step)
         except DDTreeDeployError as exc:
-            result = GateResult(gate.NUMBER, gate.NAME, FAIL, 0, exc.message,
-                                exc.detail.splitlines()[-20:] if exc.detail else [])
+            result = GateResult(
+                gate.NUMBER, gate.NAME, FAIL, 0, exc.message, exc.detail.splitlines()[-20:] if exc.detail else []
+            )
         except Exception as exc:  # a crashing gate must not hide the others
-            result = GateResult(gate.NUMBER, gate.NAME, FAIL, 0, f"internal error: {exc!r}",
-                                traceback.format_exc().splitlines()[-10:])
+            result = GateResult(
+                gate.NUMBER, gate.NAME, FAIL, 0, f"internal error: {exc!r}", traceback.format_exc().splitlines()[-10:]
+            )
         result.seconds = time.monotonic() - t0
         results.append(result)
     return results

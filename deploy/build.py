@@ -80,7 +80,9 @@ def prepare(inputs: Inputs) -> Prepared:
         check_header(e.path)
         for change in patch_files(e.path):
             if change.deleted:
-                raise ConfigError(f"{e.path}: deletes {change.path}; the series may add or change files, not delete them")
+                raise ConfigError(
+                    f"{e.path}: deletes {change.path}; the series may add or change files, not delete them"
+                )
     if not Path(inputs.ddtree_utils).is_file():
         raise ConfigError(f"{inputs.ddtree_utils}: missing (it is shipped as {SHIPPED_UTILS})")
     return Prepared(inputs, manifest, series)
@@ -93,17 +95,27 @@ def copy_snapshot(p: Prepared, dest: Path) -> None:
         shutil.copyfile(Path(p.inputs.snapshot_dir) / rel, target)
 
 
-def assemble(p: Prepared, dest: Path, *, entries: list[Entry] | None = None, allow_offset: bool = True,
-             with_utils: bool = True, on_patch: Callable[[Entry], None] | None = None) -> list[str]:
+def assemble(
+    p: Prepared,
+    dest: Path,
+    *,
+    entries: list[Entry] | None = None,
+    allow_offset: bool = True,
+    with_utils: bool = True,
+    on_patch: Callable[[Entry], None] | None = None,
+) -> list[str]:
     """Write snapshot files into `dest` and apply `entries` (default: the whole series) in order.
     Returns offset warnings. `dest` must exist and be empty."""
     copy_snapshot(p, dest)
-    warnings = apply_series(dest, p.series.entries if entries is None else entries,
-                            allow_offset=allow_offset, on_patch=on_patch)
+    warnings = apply_series(
+        dest, p.series.entries if entries is None else entries, allow_offset=allow_offset, on_patch=on_patch
+    )
     if with_utils:
         target = Path(dest) / SHIPPED_UTILS
         if target.exists():
-            raise ConfigError(f"{SHIPPED_UTILS} already exists after the series; it must come only from {p.inputs.ddtree_utils}")
+            raise ConfigError(
+                f"{SHIPPED_UTILS} already exists after the series; it must come only from {p.inputs.ddtree_utils}"
+            )
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(p.inputs.ddtree_utils, target)
     return warnings

@@ -41,26 +41,43 @@ app.add_typer(snapshot_app, name="snapshot")
 
 SnapshotDir = Annotated[Path, typer.Option("--snapshot-dir", help="Snapshot directory (files + MANIFEST.json).")]
 PatchesDir = Annotated[Path, typer.Option("--patches-dir", help="Directory with `series` and the patches.")]
-BuildDir = Annotated[Path, typer.Option("--build-dir", help="Build root; the tree goes to <build-dir>/sglang-<version>/.")]
+BuildDir = Annotated[
+    Path, typer.Option("--build-dir", help="Build root; the tree goes to <build-dir>/sglang-<version>/.")
+]
 UtilsPath = Annotated[Path, typer.Option("--ddtree-utils", help="The ddtree_utils.py to ship.")]
 JsonOut = Annotated[bool, typer.Option("--json", help="Write a JSON report to stdout.")]
 Skip = Annotated[list[str] | None, typer.Option("--skip", help="Skip this gate (number or name; repeatable).")]
-Pythons = Annotated[list[str] | None, typer.Option("--python", help="Also py_compile with this interpreter (repeatable).")]
+Pythons = Annotated[
+    list[str] | None, typer.Option("--python", help="Also py_compile with this interpreter (repeatable).")
+]
 
 DEFAULT_SNAPSHOT = snap.snapshot_dir_for(snap.PINNED_VERSION)
 STATUS_STYLE = {PASS: "[green]pass[/]", FAIL: "[bold red]FAIL[/]", SKIP: "[yellow]skipped[/]"}
 
 
 def _progress(transient: bool = True) -> Progress:
-    return Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TimeElapsedColumn(), console=console, transient=transient)
+    return Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=transient,
+    )
 
 
 def _build_json(result) -> dict:
     info = result.info
-    return {"build_dir": str(info.root), "build_id": info.build_id, "sglang_version": info.sglang_version,
-            "patches": info.patches, "files": len(info.files), "series_sha256": info.series_sha256,
-            "warnings": result.warnings}
+    return {
+        "build_dir": str(info.root),
+        "build_id": info.build_id,
+        "sglang_version": info.sglang_version,
+        "patches": info.patches,
+        "files": len(info.files),
+        "series_sha256": info.series_sha256,
+        "warnings": result.warnings,
+    }
 
 
 def _run_gates_with_progress(ctx: Context, gates) -> list[GateResult]:
@@ -84,8 +101,14 @@ def _run_gates_with_progress(ctx: Context, gates) -> list[GateResult]:
 
 def _show_gates(results: list[GateResult]) -> None:
     table = Table(title="Quality gates", title_justify="left")
-    for col, kw in (("#", {"justify": "right"}), ("gate", {}), ("files", {"justify": "right"}),
-                    ("result", {}), ("seconds", {"justify": "right"}), ("notes", {"overflow": "fold"})):
+    for col, kw in (
+        ("#", {"justify": "right"}),
+        ("gate", {}),
+        ("files", {"justify": "right"}),
+        ("result", {}),
+        ("seconds", {"justify": "right"}),
+        ("notes", {"overflow": "fold"}),
+    ):
         table.add_column(col, **kw)
     for r in results:
         table.add_row(str(r.number), r.name, str(r.files), STATUS_STYLE[r.status], f"{r.seconds:.1f}", r.summary)
@@ -130,8 +153,13 @@ def patch(
         results = _run_gates_with_progress(Context(inputs=inputs, extra_pythons=python or []), gates)
         _show_gates(results)
     if json_out:
-        emit_json({"build": _build_json(result), "gates": [r.to_json() for r in results],
-                   "ok": all(r.status != FAIL for r in results)})
+        emit_json(
+            {
+                "build": _build_json(result),
+                "gates": [r.to_json() for r in results],
+                "ok": all(r.status != FAIL for r in results),
+            }
+        )
     _gates_outcome(results)
 
 
@@ -141,7 +169,9 @@ def check(
     patches_dir: PatchesDir = PATCHES_DIR,
     build_dir: BuildDir = BUILD_ROOT,
     ddtree_utils: UtilsPath = DDTREE_UTILS,
-    gate: Annotated[list[str] | None, typer.Option("--gate", "-g", help="Run only this gate (number or name; repeatable).")] = None,
+    gate: Annotated[
+        list[str] | None, typer.Option("--gate", "-g", help="Run only this gate (number or name; repeatable).")
+    ] = None,
     skip: Skip = None,
     python: Pythons = None,
     json_out: JsonOut = False,
@@ -151,8 +181,13 @@ def check(
     results = _run_gates_with_progress(ctx, select(gate, skip))
     _show_gates(results)
     if json_out:
-        emit_json({"build_dir": str(ctx.build_dir), "gates": [r.to_json() for r in results],
-                   "ok": all(r.status != FAIL for r in results)})
+        emit_json(
+            {
+                "build_dir": str(ctx.build_dir),
+                "gates": [r.to_json() for r in results],
+                "ok": all(r.status != FAIL for r in results),
+            }
+        )
     _gates_outcome(results)
 
 
@@ -165,8 +200,13 @@ def series_cmd(patches_dir: PatchesDir = PATCHES_DIR, json_out: JsonOut = False)
         check_header(e.path)
         desc = parse_header(split_header(e.path.read_text())[0]).get("Description", "").splitlines()[0]
         changes = patch_files(e.path)
-        rows.append({"patch": e.name, "description": desc, "files": [
-            {"path": c.path, "added": c.added, "removed": c.removed, "new": c.new} for c in changes]})
+        rows.append(
+            {
+                "patch": e.name,
+                "description": desc,
+                "files": [{"path": c.path, "added": c.added, "removed": c.removed, "new": c.new} for c in changes],
+            }
+        )
     if json_out:
         emit_json({"series": str(s.series_path), "patches": rows})
         return
@@ -175,15 +215,22 @@ def series_cmd(patches_dir: PatchesDir = PATCHES_DIR, json_out: JsonOut = False)
         table.add_column(col, justify="right" if col in "+-" else "left", overflow="fold")
     for row in rows:
         for i, f in enumerate(row["files"]):
-            table.add_row(row["patch"] if i == 0 else "", row["description"] if i == 0 else "",
-                          f["path"] + (" (new)" if f["new"] else ""), f"[green]+{f['added']}[/]", f"[red]-{f['removed']}[/]")
+            table.add_row(
+                row["patch"] if i == 0 else "",
+                row["description"] if i == 0 else "",
+                f["path"] + (" (new)" if f["new"] else ""),
+                f"[green]+{f['added']}[/]",
+                f"[red]-{f['removed']}[/]",
+            )
     console.print(table)
 
 
 @app.command("refresh")
 def refresh_cmd(
     patch_name: Annotated[str, typer.Argument(metavar="PATCH", help="Patch name (or its NNNN number) in the series.")],
-    add_file: Annotated[list[str] | None, typer.Option("--add-file", help="Also put this build file into the patch (repeatable).")] = None,
+    add_file: Annotated[
+        list[str] | None, typer.Option("--add-file", help="Also put this build file into the patch (repeatable).")
+    ] = None,
     snapshot_dir: SnapshotDir = DEFAULT_SNAPSHOT,
     patches_dir: PatchesDir = PATCHES_DIR,
     build_dir: BuildDir = BUILD_ROOT,
@@ -201,10 +248,20 @@ def refresh_cmd(
     if r.broken:
         warn(f"a later patch no longer applies exactly: {r.broken}")
     for rel in r.uncaptured:
-        warn(f"{rel}: your build differs from what the series now produces (edits in another patch's file? use --add-file or refresh that patch)")
+        warn(
+            f"{rel}: your build differs from what the series now produces "
+            "(an edit in another patch's file? use --add-file or refresh that patch)"
+        )
     if json_out:
-        emit_json({"patch": str(r.patch), "changed": r.changed, "files": r.files, "broken": r.broken,
-                   "uncaptured": r.uncaptured})
+        emit_json(
+            {
+                "patch": str(r.patch),
+                "changed": r.changed,
+                "files": r.files,
+                "broken": r.broken,
+                "uncaptured": r.uncaptured,
+            }
+        )
     if r.broken:
         raise UsageError(f"after refreshing {r.patch.name}: {r.broken}")
 
@@ -215,8 +272,14 @@ def snapshot_verify(snapshot_dir: SnapshotDir = DEFAULT_SNAPSHOT, json_out: Json
     manifest = snap.load_manifest(snapshot_dir)
     problems = snap.find_problems(snapshot_dir, manifest)
     if json_out:
-        emit_json({"snapshot_dir": str(snapshot_dir), "sglang_version": manifest.sglang_version,
-                   "files": len(manifest.files), "problems": [{"path": p.relpath, "kind": p.kind} for p in problems]})
+        emit_json(
+            {
+                "snapshot_dir": str(snapshot_dir),
+                "sglang_version": manifest.sglang_version,
+                "files": len(manifest.files),
+                "problems": [{"path": p.relpath, "kind": p.kind} for p in problems],
+            }
+        )
     if problems:
         for p in problems[1:]:
             console.print(f"  {p.describe(snapshot_dir)}", markup=False)
@@ -227,12 +290,31 @@ def snapshot_verify(snapshot_dir: SnapshotDir = DEFAULT_SNAPSHOT, json_out: Json
 @snapshot_app.command("import")
 def snapshot_import(
     version: Annotated[str, typer.Option("--version", help="SGLang version to import.")] = snap.PINNED_VERSION,
-    file: Annotated[list[str] | None, typer.Option("--file", help="Package-relative file, e.g. srt/server_args.py (repeatable; default: the manifest's files).")] = None,
-    from_site_packages: Annotated[Path | None, typer.Option("--from-site-packages", help="Read from an installed SGLang (site-packages dir) instead of the registry.")] = None,
-    wheel: Annotated[Path | None, typer.Option("--wheel", help="Read from this local wheel file instead of downloading.")] = None,
-    snapshot_root: Annotated[Path, typer.Option("--snapshot-root", help="Where snapshot dirs live.")] = snap.SNAPSHOT_ROOT,
-    snapshot_dir: Annotated[Path | None, typer.Option("--snapshot-dir", help="Exact target dir (default <snapshot-root>/sglang-<version>).")] = None,
-    drift_check: Annotated[bool, typer.Option("--check", help="Only compare the source with the snapshot (exit 4 on drift); write nothing.")] = False,
+    file: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--file", help="Package-relative file, e.g. srt/server_args.py (repeatable; default: the manifest's files)."
+        ),
+    ] = None,
+    from_site_packages: Annotated[
+        Path | None,
+        typer.Option(
+            "--from-site-packages", help="Read from an installed SGLang (site-packages dir) instead of the registry."
+        ),
+    ] = None,
+    wheel: Annotated[
+        Path | None, typer.Option("--wheel", help="Read from this local wheel file instead of downloading.")
+    ] = None,
+    snapshot_root: Annotated[
+        Path, typer.Option("--snapshot-root", help="Where snapshot dirs live.")
+    ] = snap.SNAPSHOT_ROOT,
+    snapshot_dir: Annotated[
+        Path | None, typer.Option("--snapshot-dir", help="Exact target dir (default <snapshot-root>/sglang-<version>).")
+    ] = None,
+    drift_check: Annotated[
+        bool,
+        typer.Option("--check", help="Only compare the source with the snapshot (exit 4 on drift); write nothing."),
+    ] = False,
     json_out: JsonOut = False,
 ) -> None:
     """(Re-)derive snapshot files from the registry wheel or an installed SGLang, updating MANIFEST.json."""
@@ -259,8 +341,16 @@ def snapshot_import(
         files = sorted(snap.load_manifest(DEFAULT_SNAPSHOT).files)  # a new pin: the files the series touches now
     r = snap.import_files(source, target, files)
     if json_out:
-        emit_json({"source": source.label, "snapshot_dir": str(target), "sglang_version": r.version,
-                   "added": r.added, "updated": r.updated, "unchanged": r.unchanged})
+        emit_json(
+            {
+                "source": source.label,
+                "snapshot_dir": str(target),
+                "sglang_version": r.version,
+                "added": r.added,
+                "updated": r.updated,
+                "unchanged": r.unchanged,
+            }
+        )
     for label, items in (("added", r.added), ("updated", r.updated), ("unchanged", r.unchanged)):
         if items:
             console.print(f"{label}: {', '.join(items)}")

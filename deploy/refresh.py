@@ -72,12 +72,14 @@ def refresh(inputs: Inputs, patch: str, *, add_files: list[str] = (), today: dt.
         (after / MANIFEST_NAME).unlink(missing_ok=True)
         (after / SHIPPED_UTILS).unlink(missing_ok=True)
         try:
-            apply_series(after, p.series.entries[idx + 1:], reverse=True, allow_offset=True)
+            apply_series(after, p.series.entries[idx + 1 :], reverse=True, allow_offset=True)
         except DDTreeDeployError as exc:
             raise ConfigError(f"cannot separate your edits from a later patch: {exc.message}") from exc
         body = "".join(diff_file(before, after, rel) for rel in files)
         if not body:
-            raise ConfigError(f"{entry.name}: the refreshed patch would be empty (its changes were removed from the build)")
+            raise ConfigError(
+                f"{entry.name}: the refreshed patch would be empty (its changes were removed from the build)"
+            )
         for rel in files:
             if (before / rel).is_file() and not (after / rel).is_file():
                 raise ConfigError(f"{entry.name}: {rel} was deleted in the build; the series cannot delete files")

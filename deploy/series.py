@@ -139,7 +139,9 @@ def check_header(path: Path) -> dict[str, str]:
     for name in REQUIRED:
         if not fields.get(name, "").strip():
             label = "Description (or Subject)" if name == "Description" else name
-            raise ConfigError(f"{path}: header field {label} missing or empty (DEP-3 header before the first diff line)")
+            raise ConfigError(
+                f"{path}: header field {label} missing or empty (DEP-3 header before the first diff line)"
+            )
     try:
         dt.date.fromisoformat(fields["Last-Update"])
         if not re.fullmatch(r"\d{4}-\d{2}-\d{2}", fields["Last-Update"]):
@@ -172,7 +174,9 @@ def patch_files(path: Path) -> list[FileChange]:
     for f in pset:
         for side, prefix in ((f.source_file, "a/"), (f.target_file, "b/")):
             if side != "/dev/null" and not side.startswith(prefix):
-                raise ConfigError(f"{path}: path {side!r} must start with {prefix} (paths relative to the sglang package, strip 1)")
+                raise ConfigError(
+                    f"{path}: path {side!r} must start with {prefix} (paths relative to the sglang package, strip 1)"
+                )
         rel = f.path
         if rel.startswith("/") or ".." in rel.split("/"):
             raise ConfigError(f"{path}: path {rel!r} leaves the sglang package")
@@ -206,12 +210,14 @@ def git_env(workdir: Path) -> dict[str, str]:
     """Environment for git commands on a plain directory: no repository discovery above it,
     no user or system configuration."""
     env = dict(os.environ)
-    env.update({
-        "GIT_CEILING_DIRECTORIES": str(Path(workdir).resolve().parent),
-        "GIT_CONFIG_NOSYSTEM": "1",
-        "GIT_CONFIG_GLOBAL": os.devnull,
-        "LC_ALL": "C",
-    })
+    env.update(
+        {
+            "GIT_CEILING_DIRECTORIES": str(Path(workdir).resolve().parent),
+            "GIT_CONFIG_NOSYSTEM": "1",
+            "GIT_CONFIG_GLOBAL": os.devnull,
+            "LC_ALL": "C",
+        }
+    )
     env.pop("GIT_DIR", None)
     env.pop("GIT_WORK_TREE", None)
     return env
@@ -220,15 +226,22 @@ def git_env(workdir: Path) -> dict[str, str]:
 def run_git(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     """Run git on a plain directory (see git_env); a missing git is a clear usage error."""
     try:
-        return subprocess.run(["git", *args], cwd=cwd, env=git_env(Path(cwd)), capture_output=True,
-                              text=True, check=False)
+        return subprocess.run(
+            ["git", *args], cwd=cwd, env=git_env(Path(cwd)), capture_output=True, text=True, check=False
+        )
     except FileNotFoundError:
         raise ConfigError("git not found: install git (patches are applied with `git apply`)") from None
 
 
 _FAILED_RE = re.compile(r"^error: patch failed: (.+):(\d+)$", re.M)
-_FILE_ERR_RE = re.compile(r"^error: (.+?): (No such file or directory|already exists in working directory|does not exist in index|patch does not apply|does not match index)$", re.M)
-_OFFSET_RE = re.compile(r"^Checking patch (.+?)\.\.\.$|^Hunk #(\d+) succeeded at (\d+) \(offset (-?\d+) lines?\)\.$", re.M)
+_FILE_ERR_RE = re.compile(
+    r"^error: (.+?): (No such file or directory|already exists in working directory|does not exist in index"
+    r"|patch does not apply|does not match index)$",
+    re.M,
+)
+_OFFSET_RE = re.compile(
+    r"^Checking patch (.+?)\.\.\.$|^Hunk #(\d+) succeeded at (\d+) \(offset (-?\d+) lines?\)\.$", re.M
+)
 
 
 def _offsets(output: str) -> list[tuple[str, int, int]]:
@@ -257,12 +270,13 @@ def _explain(patch: Path, output: str, reverse: bool) -> str:
     m = _FILE_ERR_RE.search(output)
     if m:
         return f"{patch.name}: cannot {verb} to {m.group(1)}: {m.group(2)}"
-    errors = [ln[len("error: "):] for ln in output.splitlines() if ln.startswith("error: ")]
+    errors = [ln[len("error: ") :] for ln in output.splitlines() if ln.startswith("error: ")]
     return f"{patch.name}: does not {verb}: {errors[-1] if errors else output.strip() or 'git apply failed'}"
 
 
-def apply_patch(tree: Path, patch: Path, *, reverse: bool = False, allow_offset: bool = False,
-                check_only: bool = False) -> list[str]:
+def apply_patch(
+    tree: Path, patch: Path, *, reverse: bool = False, allow_offset: bool = False, check_only: bool = False
+) -> list[str]:
     """Apply one patch to `tree` with `git apply` (never fuzz). `--check` runs first, so a failing
     patch leaves the tree untouched. Hunks that only apply at a line offset are an error unless
     `allow_offset`; then they are returned as warnings. PatchApplyError (exit 3) names the hunk."""
@@ -272,8 +286,11 @@ def apply_patch(tree: Path, patch: Path, *, reverse: bool = False, allow_offset:
     output = proc.stdout + proc.stderr
     if proc.returncode != 0:
         raise PatchApplyError(_explain(patch, output, reverse), detail=_indent("git apply said:", output))
-    warnings = [f"{patch.name}: hunk #{h} of {f} applies only at an offset of {o} lines (run `ddtree-deploy refresh {patch.name}`)"
-                for f, h, o in _offsets(output)]
+    warnings = [
+        f"{patch.name}: hunk #{h} of {f} applies only at an offset of {o} lines "
+        f"(run `ddtree-deploy refresh {patch.name}`)"
+        for f, h, o in _offsets(output)
+    ]
     if warnings and not allow_offset:
         raise PatchApplyError(warnings[0].replace("applies only", "does not apply exactly; it applies only"))
     if not check_only:
@@ -283,11 +300,12 @@ def apply_patch(tree: Path, patch: Path, *, reverse: bool = False, allow_offset:
     return warnings
 
 
-def apply_series(tree: Path, entries: list[Entry], *, reverse: bool = False, allow_offset: bool = False,
-                 on_patch=None) -> list[str]:
+def apply_series(
+    tree: Path, entries: list[Entry], *, reverse: bool = False, allow_offset: bool = False, on_patch=None
+) -> list[str]:
     """Apply `entries` in order (reverse: undo them in reverse order). Returns offset warnings."""
     warnings: list[str] = []
-    for e in (reversed(entries) if reverse else entries):
+    for e in reversed(entries) if reverse else entries:
         if on_patch:
             on_patch(e)
         warnings += apply_patch(tree, e.path, reverse=reverse, allow_offset=allow_offset)
@@ -305,8 +323,9 @@ def diff_file(old_root: Path, new_root: Path, relpath: str) -> str:
     if not old.exists() and not new.exists():
         return ""
     args = [str(old) if old.exists() else os.devnull, str(new) if new.exists() else os.devnull]
-    proc = run_git(["diff", "--no-index", "--no-color", "--no-ext-diff", "--no-renames", "-U3", "--", *args],
-                   Path(new_root))
+    proc = run_git(
+        ["diff", "--no-index", "--no-color", "--no-ext-diff", "--no-renames", "-U3", "--", *args], Path(new_root)
+    )
     if proc.returncode not in (0, 1):
         raise ConfigError(f"git diff failed on {relpath}: {proc.stderr.strip()}")
     out = []

@@ -56,7 +56,9 @@ def check_relpath(relpath: str) -> str:
     rel = rel.removeprefix("sglang/")
     parts = rel.split("/")
     if not rel or rel.startswith("/") or any(p in ("", ".", "..") for p in parts):
-        raise UsageError(f"bad snapshot path {relpath!r}: give a path inside the sglang package, e.g. srt/server_args.py")
+        raise UsageError(
+            f"bad snapshot path {relpath!r}: give a path inside the sglang package, e.g. srt/server_args.py"
+        )
     return rel
 
 
@@ -88,8 +90,12 @@ def load_manifest(snap_dir: Path) -> Manifest:
         files = data["files"]
         if not isinstance(files, dict):
             raise TypeError("files is not an object")
-        return Manifest(str(data["sglang_version"]), wheel.get("name"), wheel.get("sha256"),
-                        {check_relpath(k): str(v) for k, v in files.items()})
+        return Manifest(
+            str(data["sglang_version"]),
+            wheel.get("name"),
+            wheel.get("sha256"),
+            {check_relpath(k): str(v) for k, v in files.items()},
+        )
     except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
         raise ConfigError(f"{path}: malformed snapshot manifest ({exc})") from exc
 
@@ -142,8 +148,9 @@ def verify(snap_dir: Path) -> Manifest:
     problems = find_problems(snap_dir, manifest)
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise SnapshotError(problems[0].describe(snap_dir) + more,
-                            detail="\n".join(p.describe(snap_dir) for p in problems[1:]) or None)
+        raise SnapshotError(
+            problems[0].describe(snap_dir) + more, detail="\n".join(p.describe(snap_dir) for p in problems[1:]) or None
+        )
     return manifest
 
 
@@ -156,7 +163,7 @@ def _record_hashes(record_text: str) -> dict[str, str]:
     out = {}
     for row in csv.reader(io.StringIO(record_text)):
         if len(row) >= 2 and row[1].startswith("sha256="):
-            b64 = row[1][len("sha256="):]
+            b64 = row[1][len("sha256=") :]
             out[row[0]] = base64.urlsafe_b64decode(b64 + "=" * (-len(b64) % 4)).hex()
     return out
 
@@ -180,8 +187,17 @@ def download_wheel(version: str, cache_dir: Path = WHEEL_CACHE) -> Path:
     pattern = f"sglang-{version}-*.whl"
     found = sorted(cache_dir.glob(pattern))
     if not found:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--dest", str(cache_dir), f"sglang=={version}"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--dest",
+            str(cache_dir),
+            f"sglang=={version}",
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
@@ -222,7 +238,7 @@ def site_packages_source(directory: Path) -> Source:
     infos = sorted(site.glob("sglang-*.dist-info"))
     version, record = None, {}
     if infos:
-        version = infos[-1].name[len("sglang-"):-len(".dist-info")]
+        version = infos[-1].name[len("sglang-") : -len(".dist-info")]
         rec = infos[-1] / "RECORD"
         if rec.is_file():
             record = _record_hashes(rec.read_text())
@@ -266,12 +282,21 @@ def import_files(source: Source, snap_dir: Path, files: list[str] | None = None)
     snap_dir = Path(snap_dir)
     existing = load_manifest(snap_dir) if (snap_dir / MANIFEST).is_file() else None
     if existing and existing.sglang_version != source.version:
-        raise UsageError(f"{snap_dir} holds sglang {existing.sglang_version}, the source is "
-                         f"{source.version}: import a new pin into its own snapshot directory")
-    if existing and source.wheel_sha256 and existing.wheel_sha256 and existing.wheel_name == source.wheel_name \
-            and existing.wheel_sha256 != source.wheel_sha256:
-        raise SnapshotError(f"{source.label}: sha256 {source.wheel_sha256[:16]}… differs from the "
-                            f"manifest's {existing.wheel_sha256[:16]}… for {existing.wheel_name}")
+        raise UsageError(
+            f"{snap_dir} holds sglang {existing.sglang_version}, the source is "
+            f"{source.version}: import a new pin into its own snapshot directory"
+        )
+    if (
+        existing
+        and source.wheel_sha256
+        and existing.wheel_sha256
+        and existing.wheel_name == source.wheel_name
+        and existing.wheel_sha256 != source.wheel_sha256
+    ):
+        raise SnapshotError(
+            f"{source.label}: sha256 {source.wheel_sha256[:16]}… differs from the "
+            f"manifest's {existing.wheel_sha256[:16]}… for {existing.wheel_name}"
+        )
     wanted = [check_relpath(f) for f in (files or (list(existing.files) if existing else DEFAULT_FILES))]
     blobs: dict[str, bytes] = {}
     for rel in dict.fromkeys(wanted):
@@ -280,8 +305,10 @@ def import_files(source: Source, snap_dir: Path, files: list[str] | None = None)
             raise UsageError(f"sglang/{rel}: not in {source.label}")
         expected = source.record.get(f"sglang/{rel}")
         if expected and expected != sha256_bytes(data):
-            raise SnapshotError(f"{source.label}/{rel}: differs from the distribution's RECORD "
-                                "(the installed file was modified; it is not upstream)")
+            raise SnapshotError(
+                f"{source.label}/{rel}: differs from the distribution's RECORD "
+                "(the installed file was modified; it is not upstream)"
+            )
         blobs[rel] = data
     manifest = existing or Manifest(source.version)
     if source.wheel_name:
@@ -290,8 +317,11 @@ def import_files(source: Source, snap_dir: Path, files: list[str] | None = None)
     snap_dir.mkdir(parents=True, exist_ok=True)
     for rel, data in blobs.items():
         digest = sha256_bytes(data)
-        bucket = result.added if rel not in manifest.files else (
-            result.unchanged if manifest.files[rel] == digest and (snap_dir / rel).is_file() else result.updated)
+        bucket = (
+            result.added
+            if rel not in manifest.files
+            else (result.unchanged if manifest.files[rel] == digest and (snap_dir / rel).is_file() else result.updated)
+        )
         bucket.append(rel)
         dest = snap_dir / rel
         dest.parent.mkdir(parents=True, exist_ok=True)

@@ -28,14 +28,19 @@ def patched_project(project: Project) -> Project:
     mod = UPSTREAM["srt/speculative/mod.py"]
     mod1 = edit(edit(mod, "return x + 1", "return x + 10"), "return z - 3", "return z - 30")
     new_file = '"""Added by the series."""\n\nNEW = True\n'
-    project.add_patch("0001-alpha-gamma.patch",
-                      udiff("srt/speculative/mod.py", mod, mod1) + udiff("srt/speculative/added.py", None, new_file),
-                      desc="Change alpha and gamma; add a module.")
+    project.add_patch(
+        "0001-alpha-gamma.patch",
+        udiff("srt/speculative/mod.py", mod, mod1) + udiff("srt/speculative/added.py", None, new_file),
+        desc="Change alpha and gamma; add a module.",
+    )
     mod2 = edit(mod1, "return y * 2", "return y * 20")
     other = UPSTREAM["srt/other.py"]
-    project.add_patch("0002-beta-other.patch",
-                      udiff("srt/speculative/mod.py", mod1, mod2) + udiff("srt/other.py", other, edit(other, "VALUE_20 = 20", "VALUE_20 = 200")),
-                      desc="Change beta and one value.")
+    project.add_patch(
+        "0002-beta-other.patch",
+        udiff("srt/speculative/mod.py", mod1, mod2)
+        + udiff("srt/other.py", other, edit(other, "VALUE_20 = 20", "VALUE_20 = 200")),
+        desc="Change beta and one value.",
+    )
     return project
 
 

@@ -49,8 +49,11 @@ HEADER = textwrap.dedent("""\
 def udiff(rel: str, old: str | None, new: str) -> str:
     """A unified diff made by difflib (independent of the code under test), a/ b/ prefixes."""
     a = [] if old is None else old.splitlines(keepends=True)
-    lines = list(difflib.unified_diff(a, new.splitlines(keepends=True),
-                                      "/dev/null" if old is None else f"a/{rel}", f"b/{rel}", n=3))
+    lines = list(
+        difflib.unified_diff(
+            a, new.splitlines(keepends=True), "/dev/null" if old is None else f"a/{rel}", f"b/{rel}", n=3
+        )
+    )
     return "".join(lines)
 
 
@@ -80,20 +83,32 @@ class Project:
         return Inputs(self.snapshot_dir, self.patches_dir, self.build_root, self.utils)
 
     def cli_args(self) -> list[str]:
-        return ["--snapshot-dir", str(self.snapshot_dir), "--patches-dir", str(self.patches_dir),
-                "--build-dir", str(self.build_root), "--ddtree-utils", str(self.utils)]
+        return [
+            "--snapshot-dir",
+            str(self.snapshot_dir),
+            "--patches-dir",
+            str(self.patches_dir),
+            "--build-dir",
+            str(self.build_root),
+            "--ddtree-utils",
+            str(self.utils),
+        ]
 
     def write_snapshot(self, files: dict[str, str]) -> None:
         for rel, text in files.items():
             p = self.snapshot_dir / rel
             p.parent.mkdir(parents=True, exist_ok=True)
             p.write_text(text)
-        manifest = {"sglang_version": self.version, "wheel": {"name": None, "sha256": None},
-                    "files": {rel: sha(text) for rel, text in files.items()}}
+        manifest = {
+            "sglang_version": self.version,
+            "wheel": {"name": None, "sha256": None},
+            "files": {rel: sha(text) for rel, text in files.items()},
+        }
         (self.snapshot_dir / "MANIFEST.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
 
-    def add_patch(self, name: str, diff: str, desc: str = "A change.", header: str | None = None,
-                  listed: bool = True) -> Path:
+    def add_patch(
+        self, name: str, diff: str, desc: str = "A change.", header: str | None = None, listed: bool = True
+    ) -> Path:
         self.patches_dir.mkdir(parents=True, exist_ok=True)
         path = self.patches_dir / name
         path.write_text((HEADER.format(desc=desc) if header is None else header) + diff)

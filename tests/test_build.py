@@ -30,8 +30,11 @@ def test_empty_series_builds_snapshot_plus_ddtree_utils(project):
     assert files == expected
     assert manifest["patches"] == [] and manifest["sglang_version"] == project.version
     assert manifest["files"][SHIPPED_UTILS]["pristine_sha256"] is None
-    assert manifest["files"][MOD] == {"sha256": sha(expected[MOD]), "size": len(expected[MOD]),
-                                      "pristine_sha256": sha(expected[MOD])}
+    assert manifest["files"][MOD] == {
+        "sha256": sha(expected[MOD]),
+        "size": len(expected[MOD]),
+        "pristine_sha256": sha(expected[MOD]),
+    }
     assert manifest["snapshot_manifest_sha256"] == sha((project.snapshot_dir / "MANIFEST.json").read_bytes())
     assert manifest["build_id"] == compute_build_id({r: sha(b) for r, b in expected.items()})
     assert load_build(project.build_dir).build_id == result.info.build_id
@@ -39,8 +42,11 @@ def test_empty_series_builds_snapshot_plus_ddtree_utils(project):
 
 def test_series_is_applied_in_order(patched_project):
     result = build(patched_project.inputs())
-    want = edit(edit(edit(UPSTREAM[MOD], "return x + 1", "return x + 10"), "return z - 3", "return z - 30"),
-                "return y * 2", "return y * 20")
+    want = edit(
+        edit(edit(UPSTREAM[MOD], "return x + 1", "return x + 10"), "return z - 3", "return z - 30"),
+        "return y * 2",
+        "return y * 20",
+    )
     assert (patched_project.build_dir / MOD).read_text() == want
     assert "VALUE_20 = 200\n" in (patched_project.build_dir / "srt/other.py").read_text()
     info = load_build(patched_project.build_dir)
@@ -56,8 +62,9 @@ def test_build_is_byte_deterministic_and_replaces_atomically(patched_project, tm
     again = build(patched_project.inputs())
     assert again.replaced and not first.replaced
     assert patched_project.tree_bytes() == one  # same bytes, no leftovers beside the build
-    other = Inputs(patched_project.snapshot_dir, patched_project.patches_dir, tmp_path / "elsewhere",
-                   patched_project.utils)
+    other = Inputs(
+        patched_project.snapshot_dir, patched_project.patches_dir, tmp_path / "elsewhere", patched_project.utils
+    )
     build(other)
     assert patched_project.tree_bytes(tmp_path / "elsewhere") == one
 
@@ -103,8 +110,10 @@ def _bad_header(p):
 
 
 def _deleting_patch(p):
-    p.add_patch("0003-delete.patch", "--- a/srt/other.py\n+++ /dev/null\n@@ -1,40 +0,0 @@\n"
-                + "".join(f"-VALUE_{i} = {i}\n" for i in range(40)))
+    p.add_patch(
+        "0003-delete.patch",
+        "--- a/srt/other.py\n+++ /dev/null\n@@ -1,40 +0,0 @@\n" + "".join(f"-VALUE_{i} = {i}\n" for i in range(40)),
+    )
     return EXIT_USAGE, "0003-delete.patch"
 
 
@@ -113,8 +122,20 @@ def _no_utils(p):
     return EXIT_USAGE, "ddtree_utils.py"
 
 
-@pytest.mark.parametrize("breakage", [_edit_snapshot, _missing_patch_file, _reordered, _unlisted,
-                                      _nonexistent_entry, _fuzz, _bad_header, _deleting_patch, _no_utils])
+@pytest.mark.parametrize(
+    "breakage",
+    [
+        _edit_snapshot,
+        _missing_patch_file,
+        _reordered,
+        _unlisted,
+        _nonexistent_entry,
+        _fuzz,
+        _bad_header,
+        _deleting_patch,
+        _no_utils,
+    ],
+)
 def test_bad_input_fails_clearly_and_leaves_build_as_it_was(patched_project, ddtree, breakage):
     build(patched_project.inputs())
     before = patched_project.tree_bytes()
@@ -151,8 +172,10 @@ def test_leftovers_of_a_killed_build_are_removed(patched_project):
 
 
 def test_patch_may_not_ship_its_own_ddtree_utils(project):
-    project.add_patch("0001-utils.patch", udiff("srt/speculative/x.py", None, "X = 1\n")
-                      .replace("srt/speculative/x.py", SHIPPED_UTILS))
+    project.add_patch(
+        "0001-utils.patch",
+        udiff("srt/speculative/x.py", None, "X = 1\n").replace("srt/speculative/x.py", SHIPPED_UTILS),
+    )
     with pytest.raises(Exception, match="shipped from ddtree_utils.py"):
         build(project.inputs())
     assert not project.build_root.exists() or project.tree_bytes() == {}

@@ -70,7 +70,9 @@ def test_gate2_fails_on_offset_and_on_bad_header(built):
     path = built.patches_dir / "0002-beta-other.patch"
     text = path.read_text()
     m = re.search(r"^@@ -(\d+),(\d+) \+(\d+),(\d+) @@", text, re.MULTILINE)
-    shifted = text.replace(m.group(0), f"@@ -{int(m.group(1)) + 2},{m.group(2)} +{int(m.group(3)) + 2},{m.group(4)} @@", 1)
+    shifted = text.replace(
+        m.group(0), f"@@ -{int(m.group(1)) + 2},{m.group(2)} +{int(m.group(3)) + 2},{m.group(4)} @@", 1
+    )
     path.write_text(shifted)
     r = run_gates(ctx_for(built), [gate_series])[0]
     assert r.status == FAIL and "0002-beta-other.patch" in r.summary and "offset" in r.summary
@@ -177,12 +179,14 @@ def test_gate6_maps_the_smoke_exit_code(built, tmp_path, rc, status):
     (root / "checks" / "__init__.py").write_text("")
     # A stand-in for the real checks/sglang_smoke.py (which needs the sglang test environment):
     # it checks the arguments the gate passes and exits with the code under test.
-    (root / "checks" / "sglang_smoke.py").write_text(textwrap.dedent(f"""\
+    (root / "checks" / "sglang_smoke.py").write_text(
+        textwrap.dedent(f"""\
         import pathlib, sys
         assert sys.argv[1] == "--build" and (pathlib.Path(sys.argv[2]) / "BUILD-MANIFEST.json").is_file()
         print("smoke says {rc}")
         sys.exit({rc})
-        """))
+        """)
+    )
     r = gate_smoke.run(ctx_for(built, repo_root=root), NOOP)
     assert r.status == status and r.summary == f"smoke says {rc}"
     assert gate_smoke.run(ctx_for(built, repo_root=tmp_path), NOOP).status == SKIP  # no module

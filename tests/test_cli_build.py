@@ -69,8 +69,12 @@ def test_series_lists_patches_files_and_counts(patched_project, cli, ddtree):
     assert [p["patch"] for p in doc["patches"]] == ["0001-alpha-gamma.patch", "0002-beta-other.patch"]
     for p in doc["patches"]:  # +/- counts against a direct count of the patch's lines
         body = split_header((patched_project.patches_dir / p["patch"]).read_text())[1].splitlines()
-        assert sum(f["added"] for f in p["files"]) == sum(1 for ln in body if ln.startswith("+") and not ln.startswith("+++"))
-        assert sum(f["removed"] for f in p["files"]) == sum(1 for ln in body if ln.startswith("-") and not ln.startswith("---"))
+        assert sum(f["added"] for f in p["files"]) == sum(
+            1 for ln in body if ln.startswith("+") and not ln.startswith("+++")
+        )
+        assert sum(f["removed"] for f in p["files"]) == sum(
+            1 for ln in body if ln.startswith("-") and not ln.startswith("---")
+        )
     assert doc["patches"][0]["description"] == "Change alpha and gamma; add a module."
     human = ddtree("series", "--patches-dir", patched_project.patches_dir)
     assert human.returncode == 0 and "0002-beta-other.patch" in human.stderr and "srt/other.py" in human.stderr
@@ -143,11 +147,14 @@ def test_refresh_add_file_and_uncaptured_edits(patched_project):
     assert parse_header(split_header((patched_project.patches_dir / "0001-alpha-gamma.patch").read_text())[0])["Origin"]
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (["0009"], "not in"),
-    (["0001", "--add-file", "srt/speculative/ddtree_utils.py"], "shipped from ddtree_utils.py"),
-    (["0001", "--add-file", "srt/nothing.py"], "not in the build tree"),
-])
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["0009"], "not in"),
+        (["0001", "--add-file", "srt/speculative/ddtree_utils.py"], "shipped from ddtree_utils.py"),
+        (["0001", "--add-file", "srt/nothing.py"], "not in the build tree"),
+    ],
+)
 def test_refresh_bad_arguments(patched_project, ddtree, args, message):
     build(patched_project.inputs())
     series_before = {p.name: p.read_bytes() for p in patched_project.patches_dir.iterdir()}

@@ -117,7 +117,9 @@ def test_patch_files_counts_and_layout_checks(patched_project, tmp_path):
     assert (changes[MOD].added, changes[MOD].removed) == (2, 2)
     assert changes["srt/speculative/added.py"].new and changes["srt/speculative/added.py"].added == 3
     bad = tmp_path / "0009-bad.patch"
-    bad.write_text(HEADER.format(desc="x") + udiff(MOD, UPSTREAM[MOD], UPSTREAM[MOD] + "#\n").replace("a/srt", "srt", 1))
+    bad.write_text(
+        HEADER.format(desc="x") + udiff(MOD, UPSTREAM[MOD], UPSTREAM[MOD] + "#\n").replace("a/srt", "srt", 1)
+    )
     with pytest.raises(ConfigError, match="must start with a/"):
         patch_files(bad)
     utils = tmp_path / "0010-utils.patch"

@@ -211,8 +211,19 @@ def test_cli_import_from_site_packages_and_drift_check(tmp_path, ddtree):
 
 def test_cli_import_from_local_wheel(tmp_path, cli):
     wheel = make_wheel(tmp_path, "1.0.0", UPSTREAM)
-    r = cli("snapshot", "import", "--version", "1.0.0", "--wheel", wheel, "--snapshot-root", tmp_path / "s",
-            "--file", "srt/other.py", "--json")
+    r = cli(
+        "snapshot",
+        "import",
+        "--version",
+        "1.0.0",
+        "--wheel",
+        wheel,
+        "--snapshot-root",
+        tmp_path / "s",
+        "--file",
+        "srt/other.py",
+        "--json",
+    )
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["added"] == ["srt/other.py"]
     assert snap.load_manifest(tmp_path / "s" / "sglang-1.0.0").wheel_name == wheel.name
@@ -232,7 +243,8 @@ def test_version_from_package_files_without_dist_info(tmp_path):
     site = make_site(tmp_path, "1.1.1", UPSTREAM)
     shutil.rmtree(site / "sglang-1.1.1.dist-info")
     (site / "sglang" / "version.py").write_text(
-        "try:\n    from sglang._version import __version__\nexcept ImportError:\n    __version__ = '0.0.0.dev0'\n")
+        "try:\n    from sglang._version import __version__\nexcept ImportError:\n    __version__ = '0.0.0.dev0'\n"
+    )
     (site / "sglang" / "_version.py").write_text("__version__ = version = '1.1.1'\n")
     assert snap.site_packages_source(site).version == "1.1.1"
     (site / "sglang" / "_version.py").unlink()
