@@ -8,13 +8,16 @@ lock, disk), 7 automatic rollback failed. With several hosts the worst code wins
 from __future__ import annotations
 
 import json
+import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.progress import BarColumn, DownloadColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, Progress, SpinnerColumn, TaskProgressColumn, TextColumn, TimeElapsedColumn
+from rich.markup import escape
 from rich.table import Table
 
 from deploy import health, restart
@@ -29,11 +32,12 @@ from deploy.snapshot import PINNED_VERSION
 from deploy.transport import connect
 from deploy.ui import console, emit_json, ok, warn
 
-DEFAULT_BUILD = Path(__file__).resolve().parent.parent / "build" / f"sglang-{PINNED_VERSION}"
+DEFAULT_BUILD = Path(os.environ.get("DDTREE_DEPLOY_BUILD") or
+                     Path(__file__).resolve().parent.parent / "build" / f"sglang-{PINNED_VERSION}")
 GATES_RECORD = "GATES.json"  # optional, written by the build's quality gates: {"ok": bool, ...}
 
 InventoryOpt = Annotated[Path | None, typer.Option("--inventory", "-i", help="hosts.toml (default: $DDTREE_DEPLOY_HOSTS or ./hosts.toml).")]
-BuildOpt = Annotated[Path, typer.Option("--build", help="The build directory (with BUILD-MANIFEST.json).")]
+BuildOpt = Annotated[Path, typer.Option("--build", help="The build directory (with BUILD-MANIFEST.json); default $DDTREE_DEPLOY_BUILD or build/sglang-<pin>.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Write a JSON report to stdout.")]
 BreakLock = Annotated[bool, typer.Option("--break-lock", help="Remove a lock left by a dead run (check the host first).")]
 SEVERITY = [7, 1, 6, 5, 2]
@@ -86,15 +90,18 @@ class RichEvents(Events):
         self.p = progress
         self.lock = threading.Lock()
         self.tasks = {h: progress.add_task(f"{h}: waiting", total=None) for h in hosts}
+        self.sent = dict.fromkeys(hosts, 0)
 
     def step(self, host: str, message: str) -> None:
         self.p.update(self.tasks[host], description=f"{host}: {message}")
         if not console.is_terminal:  # no live display: keep a log of the steps instead
-            console.log(f"{host}: {message}", markup=False)
+            console.print(f"[dim]{time.strftime('%H:%M:%S')}[/] {escape(host)}: {escape(message)}")
 
     def upload(self, host: str, nbytes: int, total: int) -> None:
         with self.lock:
-            self.p.update(self.tasks[host], total=total, advance=nbytes)
+            self.sent[host] += nbytes
+            self.p.update(self.tasks[host], total=total, completed=self.sent[host],
+                          description=f"{host}: uploading {self.sent[host] / 1e3:.0f}/{total / 1e3:.0f} kB")
 
     def waiting(self, host: str, elapsed: float, deadline: float) -> None:
         self.p.update(self.tasks[host], description=f"{host}: health gate {elapsed:.0f}/{deadline:.0f}s",
@@ -102,7 +109,7 @@ class RichEvents(Events):
 
 
 def _progress() -> Progress:
-    return Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+    return Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(),
                     TimeElapsedColumn(), console=console, transient=False)
 
 

@@ -23,8 +23,7 @@ from conftest import CLI, VENV_BIN, inventory_text  # noqa: E402
 def main(commands: list[str]) -> int:
     root = Path(tempfile.mkdtemp(prefix="ddtree-demo-"))
     site = tb.sglang_site()
-    default = tb.REPO / "build" / f"sglang-{tb.SGLANG_VERSION}"
-    build = tb.load_build(default) if (default / tb.MANIFEST_NAME).is_file() else tb.real_build(root / "build")
+    build = tb.real_build(root / "build")  # a private build, so `ddtree-deploy push ct200` needs no --build
     algo = "DDTREE" if "DDTREE" in build.path_of("srt/speculative/spec_info.py").read_text() else "DFLASH"
     ssh = tb.ssh_bed(root / "ssh")
     hosts = {"ct200": tb.make_host("ct200", root / "ct200", site, algo),
@@ -34,7 +33,8 @@ def main(commands: list[str]) -> int:
     sup = tb.setup_supervisor(hosts["gpu-b"], ssh.ns)
     inv = root / "hosts.toml"
     inv.write_text(inventory_text(ssh, hosts, sup))
-    env = dict(os.environ, DDTREE_DEPLOY_HOSTS=str(inv), DDTREE_DEPLOY_STATE=str(root / "deploy-state"), COLUMNS="120")
+    env = dict(os.environ, DDTREE_DEPLOY_HOSTS=str(inv), DDTREE_DEPLOY_STATE=str(root / "deploy-state"),
+               DDTREE_DEPLOY_BUILD=str(build.root), COLUMNS="120")
     rc = 0
     try:
         for c in commands:
