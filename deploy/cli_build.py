@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -19,6 +20,7 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 from rich.table import Table
+from rich.text import Text
 
 from checks.base import FAIL, PASS, SKIP, Context, GateResult
 from checks.registry import run_gates, select
@@ -111,11 +113,13 @@ def _show_gates(results: list[GateResult]) -> None:
     ):
         table.add_column(col, **kw)
     for r in results:
-        table.add_row(str(r.number), r.name, str(r.files), STATUS_STYLE[r.status], f"{r.seconds:.1f}", r.summary)
+        table.add_row(
+            str(r.number), Text(r.name), str(r.files), STATUS_STYLE[r.status], f"{r.seconds:.1f}", Text(r.summary)
+        )
     console.print(table)
     for r in results:
         if r.status == FAIL and r.details:
-            console.print(f"[bold red]gate {r.number} {r.name}:[/]")
+            console.print(f"[bold red]gate {r.number} {escape(r.name)}:[/]")
             for line in r.details:
                 console.print(f"  {line}", markup=False, highlight=False)
 
@@ -145,9 +149,10 @@ def patch(
         task = progress.add_task("applying patches", total=None)
         result = build(inputs, on_patch=lambda e: progress.update(task, description=f"applying {e.name}"))
     for w in result.warnings:
-        warn(w)
+        warn(escape(w))
     info = result.info
-    ok(f"built {info.root} (build {info.build_id}: {len(info.files)} files, {len(info.patches)} patch(es))")
+    counts = f"{len(info.files)} files, {len(info.patches)} patch(es)"
+    ok(f"built {escape(str(info.root))} (build {info.build_id}: {counts})")
     results: list[GateResult] = []
     if gates:
         results = _run_gates_with_progress(Context(inputs=inputs, extra_pythons=python or []), gates)
@@ -210,15 +215,15 @@ def series_cmd(patches_dir: PatchesDir = PATCHES_DIR, json_out: JsonOut = False)
     if json_out:
         emit_json({"series": str(s.series_path), "patches": rows})
         return
-    table = Table(title=f"{s.series_path} ({len(rows)} patches)", title_justify="left")
+    table = Table(title=Text(f"{s.series_path} ({len(rows)} patches)"), title_justify="left")
     for col in ("patch", "description", "file", "+", "-"):
         table.add_column(col, justify="right" if col in "+-" else "left", overflow="fold")
     for row in rows:
         for i, f in enumerate(row["files"]):
             table.add_row(
-                row["patch"] if i == 0 else "",
-                row["description"] if i == 0 else "",
-                f["path"] + (" (new)" if f["new"] else ""),
+                Text(row["patch"] if i == 0 else ""),
+                Text(row["description"] if i == 0 else ""),
+                Text(f["path"] + (" (new)" if f["new"] else "")),
                 f"[green]+{f['added']}[/]",
                 f"[red]-{f['removed']}[/]",
             )
@@ -242,11 +247,11 @@ def refresh_cmd(
     with console.status(f"refreshing {patch_name}"):
         r = refresh_patch(inputs, patch_name, add_files=add_file or [])
     if r.changed:
-        ok(f"refreshed {r.patch} ({len(r.files)} file(s))")
+        ok(f"refreshed {escape(str(r.patch))} ({len(r.files)} file(s))")
     else:
-        ok(f"{r.patch.name}: already up to date")
+        ok(f"{escape(r.patch.name)}: already up to date")
     if r.broken:
-        warn(f"a later patch no longer applies exactly: {r.broken}")
+        warn(f"a later patch no longer applies exactly: {escape(r.broken)}")
     for rel in r.uncaptured:
         warn(
             f"{rel}: your build differs from what the series now produces "
@@ -284,7 +289,7 @@ def snapshot_verify(snapshot_dir: SnapshotDir = DEFAULT_SNAPSHOT, json_out: Json
         for p in problems[1:]:
             console.print(f"  {p.describe(snapshot_dir)}", markup=False)
         snap.verify(snapshot_dir)  # raises SnapshotError naming the first problem
-    ok(f"{snapshot_dir}: {len(manifest.files)} files match sglang {manifest.sglang_version}")
+    ok(f"{escape(str(snapshot_dir))}: {len(manifest.files)} files match sglang {manifest.sglang_version}")
 
 
 @snapshot_app.command("import")
@@ -334,7 +339,7 @@ def snapshot_import(
             emit_json({"source": source.label, "snapshot_dir": str(target), "drifted": drifted})
         if drifted:
             raise SnapshotError(f"{source.label}: {len(drifted)} file(s) differ from {target}: {', '.join(drifted)}")
-        ok(f"{source.label} matches {target}")
+        ok(escape(f"{source.label} matches {target}"))
         return
     files = file or None
     if not files and not (target / snap.MANIFEST).is_file() and (DEFAULT_SNAPSHOT / snap.MANIFEST).is_file():
@@ -353,5 +358,5 @@ def snapshot_import(
         )
     for label, items in (("added", r.added), ("updated", r.updated), ("unchanged", r.unchanged)):
         if items:
-            console.print(f"{label}: {', '.join(items)}")
-    ok(f"{target}: manifest updated from {source.label}")
+            console.print(f"{label}: {', '.join(items)}", markup=False)
+    ok(escape(f"{target}: manifest updated from {source.label}"))

@@ -6,7 +6,7 @@ import datetime as dt
 import json
 
 import pytest
-from foundation_support import REPO_ROOT, UPSTREAM, edit, error_lines
+from foundation_support import REPO_ROOT, UPSTREAM, edit, error_lines, udiff
 
 from deploy.build import build
 from deploy.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, ConfigError
@@ -186,3 +186,17 @@ def test_defaults_are_the_repository_directories(ddtree, tmp_path):
     r = ddtree("snapshot", "verify", "--json", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["problems"] == []
+
+
+def test_human_output_shows_brackets_literally(project, ddtree):
+    """Data shown in tables (descriptions, notes) is text, not rich markup."""
+    mod = UPSTREAM[MOD]
+    project.add_patch(
+        "0001-b.patch", udiff(MOD, mod, edit(mod, "return x + 1", "return x[idx]")), desc="Index with x[idx] [wip]"
+    )
+    r = ddtree("series", "--patches-dir", project.patches_dir)
+    assert r.returncode == 0 and "Index with x[idx] [wip]" in r.stderr
+    assert ddtree("patch", "--no-check", *project.cli_args()).returncode == 0
+    r = ddtree("check", *project.cli_args(), "--gate", "5")
+    assert r.returncode == EXIT_FAILED
+    assert "F821 Undefined name `idx`" in r.stderr
