@@ -6,7 +6,7 @@ CLI := $(VENV)/bin/ddtree-deploy
 HOST ?=
 TO ?=
 
-.PHONY: setup patch check test test-gpu series push plan status rollback bench clean help
+.PHONY: refresh setup patch check test test-gpu series push plan status rollback bench clean help
 
 help:
 	@echo "make setup      create $(VENV) and install the project, its tests and the SGLang test environment"
@@ -54,3 +54,7 @@ bench:
 
 clean:
 	rm -rf build
+
+refresh:
+	@test -n "$(PATCH)" || { echo "usage: make refresh PATCH=<NNNN-name.patch>" >&2; exit 2; }
+	$(CLI) refresh $(PATCH)

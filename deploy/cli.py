@@ -43,7 +43,7 @@ def main() -> None:
         if exc.detail:
             from deploy.ui import console
 
-            console.print(exc.detail)
+            console.print(exc.detail, markup=False, highlight=False)
         sys.exit(exc.exit_code)
     except typer.Exit as exc:
         sys.exit(exc.exit_code)

@@ -7,6 +7,7 @@ import sys
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 
 # Human output (tables, progress bars, messages) goes to stderr; stdout carries --json only.
 console = Console(stderr=True, highlight=False)
@@ -19,11 +20,12 @@ def emit_json(payload: Any) -> None:
 
 
 def error(message: str) -> None:
-    console.print(f"[bold red]error:[/] {message}")
+    """One line, never wrapped, the message printed literally (it may hold `x[i]` or paths)."""
+    console.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)
 
 
 def warn(message: str) -> None:
-    console.print(f"[yellow]warning:[/] {message}")
+    console.print(f"[yellow]warning:[/] {escape(message)}", soft_wrap=True)
 
 
 def ok(message: str) -> None:
