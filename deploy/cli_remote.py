@@ -297,5 +297,6 @@ def status(
     console.print(tab)
     if json_out:
         emit_json(out)
-    if out["healthy"]:
-        ok(f"{host} is healthy")
+    if not out["healthy"]:
+        raise _exit(1, f"{host}: the service is {out['service']} and not healthy")
+    ok(f"{host} is healthy")

@@ -84,7 +84,10 @@ def check_service(t: Transport, start: float | None = None) -> HealthReport:
     h = t.host.health
     start = time.monotonic() if start is None else start
     info = server_info(t)
-    since = lambda: time.monotonic() - start
+
+    def since() -> float:
+        return time.monotonic() - start
+
     if info is None:
         return HealthReport(False, "/get_server_info did not answer with JSON", since())
     algo, metrics = algorithm_and_metrics(info)

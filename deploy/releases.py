@@ -34,6 +34,7 @@ from deploy.inventory import Host, Inventory
 from deploy.transport import Transport, TransportLost, connect
 
 PRISTINE = "pristine"
+OUTCOME_BY_CODE = {1: "failed-rolled-back", 2: "config-error", 5: "unreachable", 6: "refused", 7: "rollback-failed"}
 
 
 class Events:
@@ -127,6 +128,11 @@ class Releaser:
                 return Outcome(name, record["action"], True, EXIT_OK, f"{record['action']} {rid}: healthy",
                                release=rid, changed=True, restarted=True, health=report.to_json())
             return self._auto_rollback(facts, rid, backup, record, report)
+        except KeyboardInterrupt:
+            if not swapped:
+                self._record(rid, {"outcome": "aborted", "error": "interrupted"})
+                raise
+            return self._auto_rollback(facts, rid, self._backup_of(rid), record, None, why="interrupted (Ctrl-C)")
         except TransportLost as exc:
             self.ev.step(name, "connection lost; reconnecting")
             self.t.reconnect()
@@ -304,7 +310,9 @@ def run_host(host: Host, inventory: Inventory, action: str, events: Events | Non
         if t is not None:
             t.close()
     build = kw.get("build")
+    outcome = ("done" if out.changed else "noop") if out.ok else OUTCOME_BY_CODE.get(out.code, "failed")
     records.append(host.name, {"time": _now(), "host": host.name, "action": action, "ok": out.ok, "code": out.code,
+                               "outcome": outcome,
                                "release": out.release, "message": out.message, "changed": out.changed,
                                "build_id": build.build_id if build else None,
                                "series_sha256": build.series_sha256 if build else None,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -170,6 +171,52 @@ def test_connection_drop_mid_upload(ct200_good, builds, cli_env):
     assert rec["outcome"] == "aborted"
 
 
+def test_stale_lock_reported_then_broken(ct200_good, builds, cli_env):
+    """A deploy machine that dies mid-push (SIGKILL: no `finally`) leaves the lock: the next push is
+    refused naming the holder; --break-lock removes it. The host's files never changed."""
+    h = ct200_good
+    before, pid = tb.tree_digest(h.sglang), pid_of(h)
+    victim = subprocess.Popen([str(CLI), "push", "ct200", "--build", str(builds["bad_import"].root)], env=cli_env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not (h.state / "lock" / "owner.json").is_file():
+        assert victim.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    victim.kill()
+    victim.wait()
+    owner = json.loads((h.state / "lock" / "owner.json").read_text())
+    assert owner["pid"] == victim.pid
+    r = run_cli(["push", "ct200", "--build", str(builds["syntax"].root)], cli_env)
+    assert r.returncode == 6 and "holds the lock" in r.stderr and f"pid {victim.pid}" in r.stderr and "--break-lock" in r.stderr
+    st = run_cli(["status", "ct200", "--json"], cli_env)
+    assert json.loads(st.stdout)["lock"]["pid"] == victim.pid
+    r = run_cli(["push", "ct200", "--build", str(builds["syntax"].root), "--break-lock"], cli_env)
+    assert r.returncode == 1 and "py_compile check failed" in r.stderr
+    assert not (h.state / "lock").exists()
+    assert tb.tree_digest(h.sglang) == before and pid_of(h) == pid
+
+
+@pytest.mark.parametrize("case", ["version", "disk"])
+def test_preflight_refusals(bed, ct200_good, builds, cli_env, tmp_path, case):
+    """Remote SGLang version != the build's, or not enough disk: refused (6) before anything happens."""
+    h = ct200_good
+    before, pid, rels = tb.tree_digest(h.sglang), pid_of(h), releases(h)
+    build, inv = builds["syntax"], bed["inventory"]
+    if case == "version":
+        manifest = json.loads((build.root / "BUILD-MANIFEST.json").read_text())
+        other = tmp_path / "other-version"
+        shutil.copytree(build.root, other)
+        (other / "BUILD-MANIFEST.json").write_text(json.dumps(dict(manifest, sglang_version="0.5.14")))
+        build_dir, words = other, "remote SGLang is 0.5.13.post1"
+    else:
+        inv = tmp_path / "hosts.toml"
+        inv.write_text(host_toml(bed["ssh"], h, bed["supervisor"]).replace("keep_releases = 3", "keep_releases = 3\nmin_free_mb = 1000000000"))
+        build_dir, words = build.root, "not enough disk"
+    r = run_cli(["push", "ct200", "-i", str(inv), "--build", str(build_dir)], cli_env)
+    assert r.returncode == 6 and words in r.stderr, r.stderr
+    assert tb.tree_digest(h.sglang) == before and pid_of(h) == pid and releases(h) == rels
+
+
 def test_unknown_or_changed_host_key_refused(bed, ct200_good, builds, cli_env, tmp_path):
     h = ct200_good
     before = tb.tree_digest(h.sglang)
@@ -256,5 +303,9 @@ def test_local_push_and_rollbacks(bed, builds, site_cache, cli_env):
     assert not (h.sglang / "srt/speculative/ddtree_utils.py").exists()
     st = json.loads(run_cli(["status", "local", "--json"], cli_env).stdout)
     assert st["healthy"] and st["speculative_algorithm"] == "DFLASH"
+    kept = releases(h)  # keep_releases = 3: pruned, but never the current state's release
+    assert len(kept) <= 3 and json.loads((h.state / "current.json").read_text())["release"] in kept
+    log = [json.loads(x) for x in (Path(cli_env["DDTREE_DEPLOY_STATE"]) / "local.jsonl").read_text().splitlines()]
+    assert [x["outcome"] for x in log] == ["done"] * 4 and log[0]["build_id"] == good.build_id
     r = run_cli(["rollback", "local", "--to", "no-such-release"], cli_env)
     assert r.returncode == 6 and "no-such-release" in r.stderr

@@ -79,3 +79,25 @@ def test_local_transport_runs_with_env(tmp_path):
     seen = []
     t.put(src, str(tmp_path / "d" / "b"), seen.append)
     assert (tmp_path / "d" / "b").read_bytes() == src.read_bytes() and sum(seen) == 1000
+
+
+@pytest.mark.ssh
+def test_inventory_gateway_reaches_the_namespace_host(bed, tmp_path):
+    """`gateway = "ct200"` (an inventory host as jump host) instead of an ssh_config ProxyJump."""
+    from conftest import host_toml
+
+    ssh, h = bed["ssh"], bed["hosts"]["gpu-b"]
+    text = host_toml(ssh, bed["hosts"]["ct200"], bed["supervisor"]) + (
+        f'[hosts.gpu-direct]\naddress = "{ssh.ns_addr}"\nuser = "root"\nidentity_file = "{ssh.client_key}"\n'
+        f'known_hosts = "{ssh.known_hosts}"\ngateway = "ct200"\npython = "{h.python}"\n'
+        'restart = { strategy = "command", start = "true", stop = "true", status = "true" }\n')
+    p = tmp_path / "hosts.toml"
+    p.write_text(text)
+    inv = load_inventory(p)
+    t = connect(inv.get("gpu-direct"), inv)
+    try:
+        r = t.run("ip -4 -o addr show")
+        assert ssh.ns_addr in r.stdout  # really inside the namespace
+        assert call_agent(t, "facts", {"sglang_dir": None, "files": [], "state_dir": "/nonexistent"})["sglang_dir"] == str(h.sglang)
+    finally:
+        t.close()
