@@ -10,7 +10,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from deploy.buildinfo import BuildInfo
-from deploy.errors import DDTreeDeployError, RemoteRefused
+from deploy.errors import ConfigError, DDTreeDeployError, RemoteRefused
 from deploy.transport import Transport
 
 MARK = "@@ddtree-agent@@"
@@ -32,6 +32,9 @@ def call_agent(t: Transport, op: str, payload: dict, timeout_s: int | None = Non
     script = " ".join(shlex.quote(a) for a in (t.host.python, "-c", agent_source(), op, json.dumps(payload)))
     r = t.run(script, timeout_s)
     line = next((ln for ln in reversed(r.stdout.splitlines()) if ln.startswith(MARK)), None)
+    if line is None and r.rc in (126, 127):
+        raise ConfigError(f"{t.label}: cannot run {t.host.python} on the host (exit {r.rc}); check `python` in the inventory",
+                          detail=(r.stderr or r.stdout).strip()[-500:] or None)
     if line is None:
         why = "timed out on the host" if r.rc == 124 else f"exit {r.rc}"
         tail = (r.stderr or r.stdout).strip().splitlines()[-5:]

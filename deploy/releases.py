@@ -121,6 +121,7 @@ class Releaser:
             current = {"state": new_state, "release": rid, "action": record["action"], "time": _now(),
                        "build_id": record.get("build_id"), "files": a["files"]}
             self._record(rid, {"outcome": "swapped"}, current=current)
+            self.t.test_hook("after-swap")
             ok, report = self._restart_and_check()
             if ok:
                 self._record(rid, {"outcome": "deployed" if record["action"] == "push" else "done",

@@ -57,7 +57,8 @@ def commands(r) -> dict[str, str]:
 
 
 def restart(t: Transport) -> tuple[bool, str]:
-    r = t.run(commands(t.host.restart)["restart"], 180)
+    # a unit of Type=notify returns only once the service is up: allow the whole health deadline
+    r = t.run(commands(t.host.restart)["restart"], int(t.host.health.deadline_s) + 60)
     return r.ok, (r.stdout + r.stderr).strip()
 
 

@@ -171,6 +171,23 @@ def test_connection_drop_mid_upload(ct200_good, builds, cli_env):
     assert rec["outcome"] == "aborted"
 
 
+def test_connection_drop_after_swap_rolls_back(bed, ct200_good, builds, cli_env, tmp_path):
+    """The connection dies right after the swap (test hook DDTREE_DEPLOY_TEST_DROP_AT=after-swap closes
+    the SSH connection): the tool reconnects and rolls back before anything else happens."""
+    h = ct200_good
+    inv = tmp_path / "hosts.toml"
+    inv.write_text(host_toml(bed["ssh"], h, bed["supervisor"], import_check=False))
+    before = tb.tree_digest(h.sglang)
+    env = dict(cli_env, DDTREE_DEPLOY_TEST_DROP_AT="after-swap")
+    r = run_cli(["push", "ct200", "-i", str(inv), "--build", str(builds["bad_service"].root), "--json"], env)
+    assert r.returncode == 1, r.stderr
+    res = results(r)["ct200"]
+    assert "connection lost" in res["message"] and "rolled back automatically" in res["message"]
+    assert tb.tree_digest(h.sglang) == before
+    assert not (h.state / "lock").exists()
+    assert json.loads(run_cli(["status", "ct200", "--json"], cli_env).stdout)["healthy"]
+
+
 def test_stale_lock_reported_then_broken(ct200_good, builds, cli_env):
     """A deploy machine that dies mid-push (SIGKILL: no `finally`) leaves the lock: the next push is
     refused naming the holder; --break-lock removes it. The host's files never changed."""

@@ -101,3 +101,17 @@ def test_inventory_gateway_reaches_the_namespace_host(bed, tmp_path):
         assert call_agent(t, "facts", {"sglang_dir": None, "files": [], "state_dir": "/nonexistent"})["sglang_dir"] == str(h.sglang)
     finally:
         t.close()
+
+
+@pytest.mark.ssh
+def test_missing_service_python_is_a_config_error(bed, tmp_path):
+    from deploy.errors import ConfigError
+
+    inv = load_inventory(bed["inventory"])
+    h = inv.get("ct200").model_copy(update={"python": "/nonexistent/bin/python"})
+    t = connect(h, inv)
+    try:
+        with pytest.raises(ConfigError, match="cannot run /nonexistent/bin/python on the host"):
+            call_agent(t, "facts", {"sglang_dir": None, "files": [], "state_dir": "/nonexistent"})
+    finally:
+        t.close()
