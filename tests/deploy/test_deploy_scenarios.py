@@ -273,6 +273,23 @@ def test_drifted_file_refused_and_shown(ct200_good, builds, cli_env):
         replace_file(h.sglang / rel, original)
 
 
+def test_force_overwrites_drift_and_keeps_it(bed, ct200_good, builds, cli_env, tmp_path):
+    """push --force replaces a hand-edited file; the edit is kept in the release's backup."""
+    h, good = ct200_good, builds["good"]
+    rel = "srt/speculative/dflash_info.py"
+    edited = (h.sglang / rel).read_bytes() + b"# hand edit to keep\n"
+    replace_file(h.sglang / rel, edited)
+    before = tb.tree_digest(h.sglang)
+    inv = tmp_path / "hosts.toml"
+    inv.write_text(host_toml(bed["ssh"], h, bed["supervisor"], import_check=False))
+    r = run_cli(["push", "ct200", "-i", str(inv), "--force", "--build", str(good.root), "--json"], cli_env)
+    assert r.returncode == 0, r.stderr
+    res = results(r)["ct200"]
+    assert res["ok"] and res["changed"]
+    assert tb.tree_digest(h.sglang) == expected_after(before, good)
+    assert (h.state / "releases" / res["release"] / "backup" / rel).read_bytes() == edited
+
+
 def test_two_hosts_one_failing(bed, builds, site_cache, cli_env):
     """ct200 has a drifted file (refused), gpu-b (ssh_config alias, ProxyJump through the loopback
     sshd into the network namespace, supervisord) gets the build; the table and JSON say which."""
