@@ -350,7 +350,10 @@ def _high_words(keys: Tensor) -> Tensor:
     return pairs[..., 1 if sys.byteorder == "little" else 0]
 
 
-_BEAM_SELECT = "topk"  # "topk" | "sort" | "threshold": same result, different kernels
+# Per-depth selection kernel: "topk" | "sort" | "threshold" give identical results; "auto"
+# picks by candidate width (H200, CUDA graph replay: a full sort wins at 4096 candidates per
+# request, topk at 256 and at >= 16384; see BENCHMARKS.md).
+_BEAM_SELECT = "auto"
 
 
 def _select_lexicographic(
@@ -359,7 +362,10 @@ def _select_lexicographic(
     """Write into ``out [bs, B]`` the flat indices of the first B candidates in the order
     (score desc, flat index asc), sorted ascending by flat index. ``keys`` holds the flat index
     in its low words; ``high`` is the view of its high words."""
-    if _BEAM_SELECT == "threshold":
+    method = _BEAM_SELECT
+    if method == "auto":
+        method = "sort" if 1024 <= cand.shape[1] <= 4096 else "topk"
+    if method == "threshold":
         # B-th largest score t; take every score > t and the first (B - #greater) equal to t
         t = torch.topk(cand, budget, dim=1, sorted=False).values.amin(
             dim=1, keepdim=True
@@ -378,7 +384,7 @@ def _select_lexicographic(
     torch.bitwise_and(
         cand.view(torch.int32), _MAG31, out=high
     )  # high words: score order
-    if _BEAM_SELECT == "sort":
+    if method == "sort":
         chosen = torch.sort(keys, dim=1).values[:, :budget]
     else:
         chosen = torch.topk(keys, budget, dim=1, largest=False, sorted=False).values

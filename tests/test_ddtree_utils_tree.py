@@ -196,7 +196,7 @@ def test_reference_rejects_bad_inputs():
             build(lp[0], ids[0], 3)
 
 
-@pytest.mark.parametrize("method", ["topk", "sort", "threshold"])
+@pytest.mark.parametrize("method", ["topk", "sort", "threshold", "auto"])
 def test_beam_selection_variants_equal_reference(method, monkeypatch):
     """The three per-depth selection kernels of build_tree give the reference tree."""
     monkeypatch.setattr(du, "_BEAM_SELECT", method)
