@@ -203,7 +203,9 @@ def test_beam_selection_variants_equal_reference(method, monkeypatch):
     for seed in range(40):
         gen = torch.Generator().manual_seed(seed)
         depth, vocab, budget = 1 + seed % 5, 1 + seed % 7, 1 + (seed * 7) % 45
-        lp, ids = random_inputs(seed, 3, depth, vocab, 8, 1 + seed % 4, 0.2 * (seed % 3))
+        lp, ids = random_inputs(
+            seed, 3, depth, vocab, 8, 1 + seed % 4, 0.2 * (seed % 3)
+        )
         valid = torch.rand(3, generator=gen) > 0.2
         ref = du.build_tree_reference(lp, ids, budget, valid=valid)
         fast = du.build_tree(lp, ids, budget, valid=valid)
