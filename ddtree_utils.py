@@ -21,6 +21,11 @@ and the tree is the first ``B`` prefixes in that order whose score is finite; ou
 listed in that order. Ancestors always precede descendants (an ancestor's score is >= and its
 depth is smaller), also when probabilities are exactly 1. Zero-probability prefixes (score
 ``-inf``) do not exist: the corresponding output slots have ``node_valid = False``.
+
+Performance notes (H200 and CPU numbers in BENCHMARKS.md): on CUDA, run :func:`build_tree` and
+:func:`compile_tree` (``build_custom_mask=False``) inside a captured CUDA graph (eager dispatch
+costs 2-5 ms a call) and use ``draft_topk_logprobs(..., validate=False, fused=True)``; on the CPU
+:func:`build_tree_reference` is the faster builder (same output).
 """
 
 from __future__ import annotations
