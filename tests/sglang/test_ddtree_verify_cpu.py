@@ -448,3 +448,69 @@ def test_debug_metrics_histogram(worker_mod):
     assert snap["accepted_depth_hist"] == [1, 1, 1, 2]  # depth 5 clamps to max_depth
     assert snap["avg_tree_size"] == 50 / 5
     assert snap["avg_tree_build_ms"] == 1.0
+
+
+class _Rank0Group:
+    """A TP group seen from rank 1: broadcast(src=0) overwrites with rank 0's tensors."""
+
+    world_size = 2
+
+    def __init__(self, rank0_tensors):
+        self.rank0 = list(rank0_tensors)
+        self.calls = 0
+
+    def broadcast(self, tensor, src=0):
+        assert src == 0
+        tensor.copy_(self.rank0[self.calls])
+        self.calls += 1
+
+
+def test_sampled_decision_is_taken_from_tp_rank0(m, monkeypatch):
+    from sglang.srt.distributed import parallel_state
+
+    rng, gen = random.Random(11), torch.Generator().manual_seed(11)
+    seq_lens = [12, 7]
+    bs, budget = len(seq_lens), 15
+    n = budget + 1
+    compiled, max_depth = _make_tree(m, bs, budget, seq_lens, 11)
+    paths = [
+        _random_path(compiled.parents[b].tolist(), [True] * n, rng, max_depth)
+        for b in range(bs)
+    ]
+    logits, _ = _target_logits(compiled, paths, bs, n, rng, gen)
+    # Rank 0 accepted nothing and drew bonus tokens 5 and 6.
+    rank0_index = torch.full((bs, max_depth + 1), -1, dtype=torch.int64)
+    rank0_index[:, 0] = 0
+    group = _Rank0Group(
+        [rank0_index, torch.zeros(bs, dtype=torch.int64), torch.tensor([5, 6])]
+    )
+    monkeypatch.setattr(parallel_state, "model_parallel_is_initialized", lambda: True)
+    monkeypatch.setattr(parallel_state, "get_tp_group", lambda: group)
+
+    batch = _setup(m, seq_lens, [64] * bs)
+    batch.sampling_info = _Sized(
+        SimpleNamespace(
+            is_all_greedy=False,
+            temperatures=torch.full((bs, 1), 0.7),
+            top_ks=torch.ones(bs, dtype=torch.int32),
+            top_ps=torch.ones(bs),
+            has_custom_logit_processor=False,
+            penalizer_orchestrator=SimpleNamespace(is_required=False),
+            logit_bias=None,
+        ),
+        bs,
+    )
+    vi = _verify_input(m, compiled, n, max_depth)
+    vi.prepare_for_verify(batch, page_size=1)
+    slots = batch.out_cache_loc.clone()
+    hidden = torch.randn(bs * n, HIDDEN, generator=gen)
+    _, commit_lens, next_hidden, _ = vi.verify(
+        batch=batch,
+        logits_output=SimpleNamespace(next_token_logits=logits, hidden_states=hidden),
+        page_size=1,
+    )
+    assert group.calls == 3
+    assert [list(r.output_ids) for r in batch.reqs] == [[5], [6]]
+    assert commit_lens.tolist() == [1, 1]
+    assert torch.equal(batch.out_cache_loc, slots[[0, n]])
+    assert torch.equal(next_hidden, hidden[[0, n]])
