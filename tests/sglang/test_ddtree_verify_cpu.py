@@ -514,3 +514,23 @@ def test_sampled_decision_is_taken_from_tp_rank0(m, monkeypatch):
     assert commit_lens.tolist() == [1, 1]
     assert torch.equal(batch.out_cache_loc, slots[[0, n]])
     assert torch.equal(next_hidden, hidden[[0, n]])
+
+
+def test_tree_builder_matches_ddtree_utils(m, worker_mod):
+    """The worker's tree step (graph replay off / on CPU) == build_tree + compile_tree."""
+    gen = torch.Generator().manual_seed(5)
+    bs, budget, depth = 3, 31, 15
+    logp, ids = m.ddtree_utils.draft_topk_logprobs(
+        torch.randn(bs, depth, VOCAB, generator=gen), 8
+    )
+    bonus, seq_lens = torch.tensor([4, 9, 11]), torch.tensor([7, 30, 2])
+    builder = worker_mod._TreeBuilder(budget, 8, depth, use_cuda_graph=True)
+    node_valid, got = builder(logp, ids, bonus, seq_lens)
+    tree = m.ddtree_utils.build_tree(logp, ids, budget, topk_cap=8)
+    want = m.ddtree_utils.compile_tree(tree, bonus, seq_lens, seq_lens_cpu=seq_lens)
+    assert torch.equal(node_valid, tree.node_valid)
+    for name in want._fields:
+        if name != "custom_mask":
+            assert torch.equal(getattr(got, name), getattr(want, name)), name
+    mask = m.ddtree_utils.tree_custom_mask(got.tree_mask, seq_lens)
+    assert torch.equal(mask, want.custom_mask)
