@@ -12,7 +12,7 @@ export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$out/gpu.txt"
 python3 -c "import torch, sglang; print('torch', torch.__version__, 'sglang', sglang.__version__)" >> "$out/gpu.txt" 2>&1
 cp "$root/.gpu/overlay/BUILD-REV" "$out/" 2>/dev/null
-(cd "$root" && python3 -m pytest --noconftest -p no:cacheprovider -q tests/gpu/test_verify_kernels.py) > "$out/kernels.log" 2>&1
+(cd "$root" && python3 -m pytest --noconftest -p no:cacheprovider -q -s tests/gpu/test_verify_kernels.py tests/gpu/test_tree_build_graph.py) > "$out/kernels.log" 2>&1
 krc=$?
 tail -3 "$out/kernels.log"
 python3 "$root/tests/gpu/ddtree_e2e.py" --out /tmp/ddtree-run "$@"
