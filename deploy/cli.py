@@ -37,7 +37,7 @@ def _register() -> None:
 def main() -> None:
     _register()
     try:
-        app(standalone_mode=False)
+        rc = app(standalone_mode=False)
     except DDTreeDeployError as exc:
         error(exc.message)
         if exc.detail:
@@ -57,4 +57,5 @@ def main() -> None:
             exc.show()
             sys.exit(exc.exit_code)
         raise
-    sys.exit(0)
+    # With standalone_mode=False a command's `raise typer.Exit(n)` comes back as the return value.
+    sys.exit(rc if isinstance(rc, int) else 0)
