@@ -739,14 +739,18 @@ def target_probs_from_logits(
 ) -> Tensor:
     """Target distributions with temperature, top-k and top-p applied (renormalised).
 
+    Semantics are top-k first, as SGLang's DFLASH verify and its default (flashinfer) sampler:
+    keep the top-k tokens, renormalise, then keep the smallest prefix of that distribution
+    whose mass reaches top_p (at least one token), and renormalise again.
+
     Args:
         logits: ``[bs, N, V]`` (or ``[bs, V]``).
         temperature: float or ``[bs]``; values <= 1e-5 give a one-hot argmax.
         top_k: int or ``[bs]``; <= 0 or >= V means no limit.
-        top_p: float or ``[bs]`` in (0, 1]; the smallest prefix of the sorted distribution whose
-            mass reaches top_p is kept (at least one token).
+        top_p: float or ``[bs]`` in (0, 1].
 
-    Returns float32 probabilities of the same shape.
+    Returns float32 probabilities of the same shape. When every row has a top-k limit the
+    filter runs on the top-k candidates only (no full-vocabulary sort).
     """
     squeeze = logits.dim() == 2
     x = logits.unsqueeze(1) if squeeze else logits
@@ -761,19 +765,21 @@ def target_probs_from_logits(
 
     temp = per_req(temperature, 1.0)
     greedy = temp <= 1e-5
-    probs = torch.softmax(x.float() / torch.where(greedy, 1.0, temp), dim=-1)
-    order = torch.sort(probs, dim=-1, descending=True)
-    ranks = torch.arange(vocab, device=device).view(1, 1, vocab)
+    scaled = x.float() / torch.where(greedy, 1.0, temp)
     kk = per_req(top_k, 0.0)
-    keep = (kk <= 0) | (ranks < kk)
+    kk = torch.where((kk <= 0) | (kk >= vocab), float(vocab), kk)  # [bs, 1, 1], 1..V
     pp = per_req(top_p, 1.0)
-    mass_before = torch.cumsum(order.values, dim=-1) - order.values
-    keep = keep & ((mass_before < pp) | (ranks == 0))
-    kept = torch.zeros_like(probs).scatter(
-        -1, order.indices, torch.where(keep, order.values, 0.0)
-    )
-    kept = kept / kept.sum(dim=-1, keepdim=True)
-    onehot = torch.zeros_like(probs).scatter(-1, x.argmax(dim=-1, keepdim=True), 1.0)
+    # Candidates: the top-k_max logits (all of V when some row has no limit), sorted.
+    k_max = int(kk.max().item()) if bs > 0 else vocab
+    vals, idx = torch.topk(scaled, k_max, dim=-1, sorted=True)  # [bs, N, k_max]
+    ranks = torch.arange(k_max, device=device).view(1, 1, k_max)
+    vals = vals.masked_fill(ranks >= kk, float("-inf"))
+    cand = torch.softmax(vals, dim=-1)  # top-k renormalised
+    mass_before = torch.cumsum(cand, dim=-1) - cand
+    cand = torch.where((mass_before < pp) | (ranks == 0), cand, 0.0)
+    cand = cand / cand.sum(dim=-1, keepdim=True)
+    kept = torch.zeros_like(scaled).scatter(-1, idx, cand)
+    onehot = torch.zeros_like(scaled).scatter(-1, x.argmax(dim=-1, keepdim=True), 1.0)
     out = torch.where(greedy, onehot, kept)
     return out.squeeze(1) if squeeze else out
 
