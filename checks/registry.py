@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 import traceback
 from collections.abc import Callable
@@ -16,6 +17,7 @@ from checks import (
     gate_unit,
 )
 from checks.base import FAIL, Context, GateResult, Step
+from deploy.buildinfo import GATES_RECORD, load_build, record_verdict
 from deploy.errors import DDTreeDeployError, UsageError
 
 GATES = (gate_snapshot, gate_series, gate_roundtrip, gate_compile, gate_lint, gate_smoke, gate_unit)
@@ -61,3 +63,28 @@ def run_gates(
         result.seconds = time.monotonic() - t0
         results.append(result)
     return results
+
+
+def record_gates(build_dir, results: list[GateResult]) -> dict | None:
+    """Merge these gate results into the build's GATES.json (results of other gates are kept
+    while the build id is the same). Returns the record, or None when there is no valid build."""
+    try:
+        build = load_build(build_dir)
+    except DDTreeDeployError:
+        return None
+    path = build.root / GATES_RECORD
+    rec = {"build_id": build.build_id, "gates": {}}
+    if path.is_file():
+        try:
+            old = json.loads(path.read_text())
+            if old.get("build_id") == build.build_id:
+                rec["gates"] = dict(old.get("gates", {}))
+        except ValueError:
+            pass
+    for r in results:
+        rec["gates"][str(r.number)] = {"name": r.name, "status": r.status, "summary": r.summary}
+    rec["ok"] = record_verdict(rec, build.build_id)[0]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(rec, indent=2, sort_keys=True) + "\n")
+    tmp.replace(path)
+    return rec

@@ -30,6 +30,11 @@ from deploy.errors import ConfigError
 
 MANIFEST_NAME = "BUILD-MANIFEST.json"
 SCHEMA = 1
+# Written next to the manifest by the quality gates (`ddtree-deploy patch` / `check`):
+# {"build_id": ..., "gates": {"<n>": {"name", "status": pass|fail|skip, "summary"}}, "ok": bool}
+# `ok` is true only when every gate has a result for this build_id and none failed.
+GATES_RECORD = "GATES.json"
+ALL_GATES = (1, 2, 3, 4, 5, 6, 7)
 
 
 def sha256_bytes(data: bytes) -> str:
@@ -120,3 +125,29 @@ def load_build(root: Path) -> BuildInfo:
         if sha256_file(fp) != f.sha256:
             raise ConfigError(f"build {root} was modified after it was made: {f.relpath} differs from {MANIFEST_NAME}")
     return info
+
+
+def record_verdict(rec: dict, build_id: str) -> tuple[bool, str]:
+    """Judge a gates record (the parsed GATES.json) for the build `build_id`."""
+    if rec.get("build_id") != build_id:
+        return False, f"the gates record is for build {rec.get('build_id')}, not {build_id}: run `ddtree-deploy check`"
+    gates = rec.get("gates", {})
+    failed = [n for n, g in sorted(gates.items()) if g.get("status") == "fail"]
+    if failed:
+        return False, f"build {build_id} failed quality gate(s) {', '.join(failed)}: run `ddtree-deploy check`"
+    missing = [str(n) for n in ALL_GATES if str(n) not in gates]
+    if missing:
+        return False, f"build {build_id} has no result for gate(s) {', '.join(missing)}: run `ddtree-deploy check`"
+    return True, "all quality gates passed"
+
+
+def gates_verdict(build: BuildInfo) -> tuple[bool, str]:
+    """Whether the build passed all its quality gates (its GATES.json), and why not."""
+    path = build.root / GATES_RECORD
+    if not path.is_file():
+        return False, f"build {build.root} has not been through the quality gates (no {GATES_RECORD}): run `ddtree-deploy check`"
+    try:
+        rec = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return False, f"{path}: not valid JSON: run `ddtree-deploy check`"
+    return record_verdict(rec, build.build_id)

@@ -23,7 +23,7 @@ from rich.table import Table
 from rich.text import Text
 
 from checks.base import FAIL, PASS, SKIP, Context, GateResult
-from checks.registry import run_gates, select
+from checks.registry import record_gates, run_gates, select
 from deploy import snapshot as snap
 from deploy.build import BUILD_ROOT, DDTREE_UTILS, PATCHES_DIR, Inputs, build
 from deploy.cli import app
@@ -156,6 +156,7 @@ def patch(
     results: list[GateResult] = []
     if gates:
         results = _run_gates_with_progress(Context(inputs=inputs, extra_pythons=python or []), gates)
+        record_gates(info.root, results)
         _show_gates(results)
     if json_out:
         emit_json(
@@ -184,6 +185,7 @@ def check(
     """Run the quality gates on the current build (non-zero exit when any gate fails)."""
     ctx = Context(inputs=Inputs(snapshot_dir, patches_dir, build_dir, ddtree_utils), extra_pythons=python or [])
     results = _run_gates_with_progress(ctx, select(gate, skip))
+    record_gates(ctx.build_dir, results)
     _show_gates(results)
     if json_out:
         emit_json(

@@ -35,6 +35,9 @@ def main(commands: list[str]) -> int:
     inv.write_text(inventory_text(ssh, hosts, sup))
     env = dict(os.environ, DDTREE_DEPLOY_HOSTS=str(inv), DDTREE_DEPLOY_STATE=str(root / "deploy-state"),
                DDTREE_DEPLOY_BUILD=str(build.root), COLUMNS="120")
+    # The build must pass its quality gates before `push` accepts it (writes GATES.json).
+    subprocess.run([str(CLI), "check", "--build-dir", str(build.root.parent)], env=env, check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     rc = 0
     try:
         for c in commands:
