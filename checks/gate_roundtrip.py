@@ -9,7 +9,7 @@ from pathlib import Path
 from checks.base import FAIL, PASS, Context, GateResult, Step
 from deploy import snapshot as snap
 from deploy.build import prepare, tree_files
-from deploy.buildinfo import MANIFEST_NAME, sha256_file
+from deploy.buildinfo import METADATA_NAMES, sha256_file
 from deploy.series import SHIPPED_UTILS, apply_series
 
 NUMBER, NAME = 3, "round trip"
@@ -38,7 +38,8 @@ def run(ctx: Context, step: Step) -> GateResult:
     work = Path(tempfile.mkdtemp(prefix="ddtree-gate-roundtrip-")) / "tree"
     try:
         shutil.copytree(info.root, work)
-        (work / MANIFEST_NAME).unlink()
+        for name in METADATA_NAMES:
+            (work / name).unlink(missing_ok=True)
         (work / SHIPPED_UTILS).unlink()
         apply_series(
             work,

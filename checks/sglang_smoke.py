@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 
 OK, FAILED, USAGE, SKIPPED = 0, 1, 2, 77
-MANIFEST_NAME = "BUILD-MANIFEST.json"
+METADATA_NAMES = {"BUILD-MANIFEST.json", "GATES.json"}  # build metadata, not package files
 REPO_ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = REPO_ROOT / "tests" / "sglang" / "fixtures.py"
 
@@ -43,7 +43,7 @@ def build_files(build_dir: Path) -> list[str]:
     """Package-relative paths of every file in a build (the manifest excluded)."""
     root = Path(build_dir)
     return sorted(
-        p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file() and p.name != MANIFEST_NAME
+        p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file() and p.name not in METADATA_NAMES
     )
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from deploy import snapshot as snap
 from deploy.buildinfo import (
     MANIFEST_NAME,
+    METADATA_NAMES,
     BuildFile,
     BuildInfo,
     compute_build_id,
@@ -123,7 +124,7 @@ def assemble(
 
 def tree_files(root: Path) -> list[str]:
     root = Path(root)
-    return sorted(q.relative_to(root).as_posix() for q in root.rglob("*") if q.is_file() and q.name != MANIFEST_NAME)
+    return sorted(q.relative_to(root).as_posix() for q in root.rglob("*") if q.is_file() and q.name not in METADATA_NAMES)
 
 
 def describe(p: Prepared, root: Path) -> BuildInfo:

@@ -35,6 +35,8 @@ SCHEMA = 1
 # `ok` is true only when every gate has a result for this build_id and none failed.
 GATES_RECORD = "GATES.json"
 ALL_GATES = (1, 2, 3, 4, 5, 6, 7)
+# Files at the top of a build that describe it and are never shipped.
+METADATA_NAMES = frozenset({MANIFEST_NAME, GATES_RECORD})
 
 
 def sha256_bytes(data: bytes) -> str:

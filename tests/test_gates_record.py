@@ -104,3 +104,14 @@ def test_push_of_a_gated_build_goes_on_to_the_host(fresh, tmp_path):
     # past the gates check it tries the host; port 1 on loopback refuses: unreachable (5)
     assert r.returncode == 5, r.stderr
     assert "quality gates" not in r.stderr
+
+
+def test_round_trip_and_smoke_file_set_ignore_the_record(fresh):
+    from checks import gate_roundtrip
+    from checks.base import Context
+    from checks.sglang_smoke import build_files
+
+    record_gates(fresh.root, results({n: PASS for n in range(1, 8)}))
+    res = gate_roundtrip.run(Context(inputs=Inputs(build_root=fresh.root.parent)), lambda _m: None)
+    assert res.status == PASS, (res.summary, res.details)
+    assert set(build_files(fresh.root)) == set(fresh.files)
