@@ -23,7 +23,7 @@ from deploy import health, restart
 from deploy.buildinfo import MANIFEST_NAME, BuildInfo, gates_verdict, load_build
 from deploy.cli import app
 from deploy.errors import EXIT_OK, ConfigError, DDTreeDeployError, RemoteUnreachable
-from deploy.facts import CURRENT, DEPLOYED, DRIFTED, MISSING, PRISTINE, gather
+from deploy.facts import host_state, CURRENT, DEPLOYED, DRIFTED, MISSING, PRISTINE, gather
 from deploy.inventory import Host, Inventory, load_inventory
 from deploy.plan import add_diffs, make_plan
 from deploy.releases import Events, Outcome, run_host
@@ -257,6 +257,10 @@ def status(
             facts = gather(t, b)
             out.update(sglang_version=facts.version, sglang_dir=facts.sglang_dir, current=facts.current,
                        lock=facts.lock, files={f.relpath: f.status for f in facts.files}, build_id=b.build_id)
+        else:  # no local build to compare against: the host's own state only
+            raw = host_state(t)
+            out.update(sglang_version=raw["version"], sglang_dir=raw["sglang_dir"], current=raw["current"],
+                       lock=raw["lock"])
         out["service"] = restart.service_state(t)
         try:
             info = health.server_info(t) if out["service"] == "running" else None
@@ -279,14 +283,16 @@ def status(
     tab.add_column("value", overflow="fold")
     cur = out.get("current") or {}
     tab.add_row("state", str(cur.get("state", "unmanaged")) + (f" (since {cur.get('time')})" if cur else ""))
+    tab.add_row("sglang", f"{out['sglang_version']} at {out['sglang_dir']}")
     if "files" in out:
         drift = [f for f, s in out["files"].items() if s in (DRIFTED, MISSING)]
-        tab.add_row("sglang", f"{out['sglang_version']} at {out['sglang_dir']}")
         tab.add_row("files", ", ".join(f"{s}: {sum(1 for v in out['files'].values() if v == s)}"
                                        for s in sorted(set(out["files"].values()))) + f" (build {out['build_id']})")
         tab.add_row("drift", ", ".join(drift) if drift else "none")
-        if out.get("lock"):
-            tab.add_row("lock", f"held by {out['lock'].get('owner')} pid {out['lock'].get('pid')}")
+    else:
+        tab.add_row("files", "no local build to compare with (drift not checked)")
+    if out.get("lock"):
+        tab.add_row("lock", f"held by {out['lock'].get('owner')} pid {out['lock'].get('pid')}")
     tab.add_row("service", out["service"])
     tab.add_row("health", "healthy" if out["healthy"] else "not healthy")
     tab.add_row("speculative algorithm", str(out.get("speculative_algorithm", "-")))

@@ -120,6 +120,12 @@ def gather(t: Transport, build: BuildInfo) -> HostFacts:
     return facts
 
 
+def host_state(t: Transport) -> dict:
+    """Version, sglang location, release state and lock of the host, without a build to compare."""
+    h = t.host
+    return call_agent(t, "facts", {"sglang_dir": h.sglang_dir, "files": [], "state_dir": h.state_dir}, 120)
+
+
 def require_version(t: Transport, facts: HostFacts, build: BuildInfo) -> None:
     if facts.version != build.sglang_version:
         raise RemoteRefused(f"{t.label}: remote SGLang is {facts.version} at {facts.sglang_dir}, the build is for "

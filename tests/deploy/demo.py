@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 import deploy_testbed as tb  # noqa: E402
-from conftest import CLI, VENV_BIN, inventory_text  # noqa: E402
+from deploy_cli import CLI, VENV_BIN, inventory_text  # noqa: E402
 
 
 def main(commands: list[str]) -> int:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import deploy_testbed as tb
 import pytest
-from conftest import CLI, host_toml, run_cli
+from deploy_cli import CLI, host_toml, run_cli
 
 from deploy.buildinfo import sha256_file
 

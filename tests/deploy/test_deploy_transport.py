@@ -96,7 +96,7 @@ def test_local_transport_runs_with_env(tmp_path):
 @pytest.mark.ssh
 def test_inventory_gateway_reaches_the_namespace_host(bed, tmp_path):
     """`gateway = "ct200"` (an inventory host as jump host) instead of an ssh_config ProxyJump."""
-    from conftest import host_toml
+    from deploy_cli import host_toml
 
     ssh, h = bed["ssh"], bed["hosts"]["gpu-b"]
     text = host_toml(ssh, bed["hosts"]["ct200"], bed["supervisor"]) + (
