@@ -72,14 +72,15 @@ def test_overlay_never_writes_through_hard_links(tmp_path):
     (build / "srt/speculative").mkdir(parents=True)
     (build / "srt/speculative/spec_info.py").write_text("PATCHED = True\n")
     (build / "srt/speculative/ddtree_utils.py").write_text("NEW = True\n")
-    (build / sglang_smoke.MANIFEST_NAME).write_text("{}")
+    for name in sglang_smoke.METADATA_NAMES:  # build metadata must not land in the package
+        (build / name).write_text("{}")
 
     root = sglang_smoke.make_overlay(build, tmp_path / "overlay", installed)
     pkg = root / "sglang"
     assert (pkg / "srt/speculative/spec_info.py").read_text() == "PATCHED = True\n"
     assert (pkg / "srt/speculative/ddtree_utils.py").read_text() == "NEW = True\n"
     assert not (pkg / "srt/speculative/__pycache__/spec_info.cpython-311.pyc").exists()
-    assert not (pkg / sglang_smoke.MANIFEST_NAME).exists()
+    assert not any((pkg / name).exists() for name in sglang_smoke.METADATA_NAMES)
     # The installed package is exactly as it was.
     assert (installed / "srt/speculative/spec_info.py").read_text() == "UPSTREAM = True\n"
     assert (installed / "srt/speculative/__pycache__/spec_info.cpython-311.pyc").read_bytes() == b"stale"
