@@ -13,7 +13,8 @@ import sys
 import typer
 
 from deploy.errors import DDTreeDeployError
-from deploy.ui import error
+from deploy import ui
+from deploy.ui import emit_json, error
 
 app = typer.Typer(
     name="ddtree-deploy",
@@ -44,6 +45,9 @@ def main() -> None:
             from deploy.ui import console
 
             console.print(exc.detail, markup=False, highlight=False)
+        if "--json" in sys.argv[1:] and not ui.json_written:
+            # Scripts reading --json always get one document, failures included.
+            emit_json({"ok": False, "exit_code": exc.exit_code, "error": exc.message})
         sys.exit(exc.exit_code)
     except typer.Exit as exc:
         sys.exit(exc.exit_code)

@@ -13,8 +13,15 @@ from rich.markup import escape
 console = Console(stderr=True, highlight=False)
 
 
+# Set once a command has written its JSON document, so a failure raised afterwards does not add
+# a second one (deploy.cli.main writes {"ok": false, ...} only for commands that wrote none).
+json_written = False
+
+
 def emit_json(payload: Any) -> None:
     """Write one JSON document to stdout (the only thing commands print to stdout)."""
+    global json_written
+    json_written = True
     sys.stdout.write(json.dumps(payload, indent=2, sort_keys=True, default=str) + "\n")
     sys.stdout.flush()
 
