@@ -17,6 +17,7 @@ when every check passed. Needs CUDA and the patched sglang on PYTHONPATH.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import random
@@ -30,6 +31,20 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def _load_fixtures():
+    """The tiny model configs shared with the CPU tests (tests/sglang/fixtures.py, stdlib only),
+    loaded by path so no test directory goes onto sys.path."""
+    path = Path(__file__).resolve().parents[1] / "sglang" / "fixtures.py"
+    spec = importlib.util.spec_from_file_location("ddtree_tiny_fixtures", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+fixtures = _load_fixtures()
 
 # A small vocabulary makes random-weight drafts hit the target's argmax often enough that
 # trees are accepted several nodes deep (the tree mask, KV compaction and hidden gathers
@@ -38,41 +53,8 @@ DEFAULT_VOCAB = 32
 
 
 def model_configs(vocab: int) -> tuple[dict, dict]:
-    """Tiny Qwen3 target and DFlash draft configs (dummy weights)."""
-    target = {
-        "architectures": ["Qwen3ForCausalLM"],
-        "model_type": "qwen3",
-        "vocab_size": vocab,
-        "hidden_size": 256,
-        "intermediate_size": 512,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 64,
-        "max_position_embeddings": 4096,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 1000000.0,
-        "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-    }
-    # Draft features come from target layers whose ids are < num_hidden_layers - 1.
-    draft = dict(
-        target,
-        architectures=["DFlashDraftModel"],
-        num_hidden_layers=1,
-        block_size=16,
-        num_target_layers=4,
-        dflash_config={
-            "target_layer_ids": [0, 2],
-            "mask_token_id": vocab - 1,
-            "block_size": 16,
-        },
-    )
-    return target, draft
+    """Tiny Qwen3 target and DFlash draft configs (dummy weights): the CPU tests' fixtures."""
+    return fixtures.target_config(vocab), fixtures.draft_config(16, vocab)
 
 
 PROMPT_LENS = (3, 9, 26, 48, 77, 120, 191, 260, 14, 33)

@@ -18,12 +18,12 @@ VOCAB_SIZE = 2048
 NUM_TARGET_LAYERS = 4
 
 
-def target_config() -> dict:
+def target_config(vocab: int = VOCAB_SIZE) -> dict:
     """A 4-layer Qwen3 (MHA, GQA 4/2 heads) small enough for any GPU."""
     return {
         "architectures": ["Qwen3ForCausalLM"],
         "model_type": "qwen3",
-        "vocab_size": VOCAB_SIZE,
+        "vocab_size": vocab,
         "hidden_size": 256,
         "intermediate_size": 512,
         "num_hidden_layers": NUM_TARGET_LAYERS,
@@ -42,13 +42,13 @@ def target_config() -> dict:
     }
 
 
-def draft_config(block_size: int = 16) -> dict:
+def draft_config(block_size: int = 16, vocab: int = VOCAB_SIZE) -> dict:
     """A 1-layer DFlash draft for `target_config()`.
 
     `target_layer_ids` must stay below num_hidden_layers - 1 of the target (SGLang captures the
     hidden state "before layer id + 1"); the mask token is the last vocab id.
     """
-    cfg = dict(target_config())
+    cfg = dict(target_config(vocab))
     cfg.update(
         architectures=["DFlashDraftModel"],
         num_hidden_layers=1,
@@ -56,7 +56,7 @@ def draft_config(block_size: int = 16) -> dict:
         num_target_layers=NUM_TARGET_LAYERS,
         dflash_config={
             "target_layer_ids": [0, 2],
-            "mask_token_id": VOCAB_SIZE - 1,
+            "mask_token_id": vocab - 1,
             "block_size": block_size,
         },
     )
