@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -44,6 +45,20 @@ class Context:
     def build(self) -> BuildInfo:
         """The current build, checked against its manifest (ConfigError when missing or edited)."""
         return load_build(self.build_dir)
+
+    def run_python(self, *args: str) -> subprocess.CompletedProcess | None:
+        """`<python> ARGS` in the repository root with the gate timeout; None when it timed out."""
+        try:
+            return subprocess.run(
+                [self.python, *args],
+                cwd=self.repo_root,
+                capture_output=True,
+                text=True,
+                timeout=self.timeout_s,
+                check=False,
+            )
+        except subprocess.TimeoutExpired:
+            return None
 
 
 @dataclass

@@ -6,7 +6,6 @@ Runs `<python> -m checks.sglang_smoke --build <build>` (written with the patch s
 
 from __future__ import annotations
 
-import subprocess
 
 from checks.base import FAIL, PASS, SKIP, Context, GateResult, Step
 
@@ -26,16 +25,8 @@ def run(ctx: Context, step: Step) -> GateResult:
     info = ctx.build()
     n = sum(1 for r, f in info.files.items() if f.sha256 != f.pristine_sha256)
     step("importing the patched modules with the real sglang package")
-    try:
-        proc = subprocess.run(
-            [ctx.python, "-m", "checks.sglang_smoke", "--build", str(info.root)],
-            cwd=ctx.repo_root,
-            capture_output=True,
-            text=True,
-            timeout=ctx.timeout_s,
-            check=False,
-        )
-    except subprocess.TimeoutExpired:
+    proc = ctx.run_python("-m", "checks.sglang_smoke", "--build", str(info.root))
+    if proc is None:
         return GateResult(NUMBER, NAME, FAIL, n, f"timed out after {ctx.timeout_s:.0f} s")
     out = proc.stdout + proc.stderr
     if proc.returncode == SKIPPED_RC:

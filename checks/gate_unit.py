@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
 
 from checks.base import FAIL, PASS, SKIP, Context, GateResult, Step
 
@@ -14,16 +13,8 @@ def run(ctx: Context, step: Step) -> GateResult:
     if not files:
         return GateResult(NUMBER, NAME, SKIP, 0, f"no {ctx.tests}/test_ddtree_utils*.py")
     step(f"pytest {' '.join(f.name for f in files)}")
-    try:
-        proc = subprocess.run(
-            [ctx.python, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *map(str, files)],
-            cwd=ctx.repo_root,
-            capture_output=True,
-            text=True,
-            timeout=ctx.timeout_s,
-            check=False,
-        )
-    except subprocess.TimeoutExpired:
+    proc = ctx.run_python("-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *map(str, files))
+    if proc is None:
         return GateResult(NUMBER, NAME, FAIL, len(files), f"timed out after {ctx.timeout_s:.0f} s")
     lines = [ln for ln in proc.stdout.strip().splitlines() if ln.strip()]
     summary = lines[-1].strip("= ") if lines else f"pytest exit code {proc.returncode}"
