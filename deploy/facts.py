@@ -112,8 +112,7 @@ def classify(build: BuildInfo, remote: dict, releases: list[dict]) -> list[FileS
 
 def gather(t: Transport, build: BuildInfo) -> HostFacts:
     """One round trip: version, sglang location, hashes of every target file, disk, state, lock."""
-    h = t.host
-    raw = call_agent(t, "facts", {"sglang_dir": h.sglang_dir, "files": sorted(build.files), "state_dir": h.state_dir}, 120)
+    raw = _agent_facts(t, sorted(build.files))
     facts = HostFacts(raw["python"], raw["sglang_dir"], raw["version"], raw["free_mb"], raw["current"], raw["lock"],
                       raw["releases"], raw["pristine_store"])
     facts.files = classify(build, raw["files"], raw["releases"])
@@ -122,8 +121,12 @@ def gather(t: Transport, build: BuildInfo) -> HostFacts:
 
 def host_state(t: Transport) -> dict:
     """Version, sglang location, release state and lock of the host, without a build to compare."""
+    return _agent_facts(t, [])
+
+
+def _agent_facts(t: Transport, files: list[str]) -> dict:
     h = t.host
-    return call_agent(t, "facts", {"sglang_dir": h.sglang_dir, "files": [], "state_dir": h.state_dir}, 120)
+    return call_agent(t, "facts", {"sglang_dir": h.sglang_dir, "files": files, "state_dir": h.state_dir}, 120)
 
 
 def require_version(t: Transport, facts: HostFacts, build: BuildInfo) -> None:
