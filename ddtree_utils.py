@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import os
 import struct
 import sys
 from typing import NamedTuple
@@ -403,6 +404,7 @@ def build_tree(
     *,
     valid: Tensor | None = None,
     topk_cap: int | None = None,
+    backend: str = "auto",
 ) -> DDTree:
     """Batched exact DDTree: identical output to :func:`build_tree_reference`.
 
@@ -428,6 +430,12 @@ def build_tree(
     top-B ranks by (score desc, depth asc, beam position asc) = the tie order. Scores are the
     same float32 left-to-right sums as in the heap, so both builders agree bit for bit.
     Ranks >= B never matter (B siblings of lower rank precede them), so K is capped at B.
+
+    ``backend``: ``"auto"`` runs the fused Triton kernel (one program per request, one launch;
+    see the proof above ``_ddtree_build_kernel``) for CUDA inputs when Triton imports and the
+    per-program sorts fit, else the torch ops below; ``"torch"`` forces the torch ops;
+    ``"triton"`` forces the kernel (also on the CPU when ``TRITON_INTERPRET=1``). The kernel's
+    pruned-grid table is created on first use: make one call before CUDA-graph capture.
     """
     _check_tree_inputs(topk_logp, topk_ids, budget)
     bs, depth_limit, _ = topk_logp.shape
@@ -441,6 +449,10 @@ def build_tree(
             valid.to(device=device, dtype=torch.bool).view(bs, 1, 1), lp, _NEG_INF
         )
     ids = topk_ids[:, :, :kk].to(torch.int64)
+    if _triton_ok(device, backend):
+        tree = _build_tree_triton(lp.contiguous(), ids.contiguous(), budget)
+        if tree is not None:
+            return tree
 
     # depth 1: ranks 0..kk-1 are already in lexicographic (= rank) order; pad the beam to B.
     # Beams live in [L, bs, B] buffers: scores, and flat candidate index parent_pos * kk + rank.
@@ -492,6 +504,345 @@ def build_tree(
         score=torch.where(node_valid, node_score, _NEG_INF),
         node_valid=node_valid,
     )
+
+
+# ----------------------------------------------------------------------------------------------
+# Fused Triton kernels for build_tree / compile_tree (optional: used on CUDA when Triton imports)
+# ----------------------------------------------------------------------------------------------
+#
+# One program per request runs the whole per-depth beam (build) or the whole compilation, with
+# a small global-memory workspace for the few steps that need a scatter or an index shift.
+# Both produce exactly the torch builders' output (tested on the CPU under TRITON_INTERPRET=1
+# against build_tree_reference, on the GPU against both).
+#
+# Beam step without sorting all B*K candidates. Order the parents of beam_{d-1} by score
+# (descending, any order among equal scores) as j = 0..B-1 and let c(j, r) = fl(s_j + lp_d[r]).
+# c is non-increasing in j and in r (float rounding is monotone), so for any t the set
+# {c >= t} is a down-set of the (j, r) grid. Let t be the B-th largest candidate. The down-set
+# {c > t} has < B elements, and {c >= t} contains a down-set of exactly B elements; every
+# element of a down-set of size m has (j + 1) * (r + 1) <= m. Hence the pruned grid
+# P = {(j, r) : (j + 1) * (r + 1) <= B} (about B * ln B cells) holds every candidate > t and at
+# least B candidates >= t, so t is also the B-th largest over P. The beam then takes, per
+# parent in lexicographic order, its children with c > t (a prefix of its ranks, found by
+# binary search) plus the children tied at t in (parent, rank) order until B are taken: the
+# tie order of build_tree. Candidates tied at t may lie outside P; they are counted per parent,
+# not enumerated.
+
+try:  # Triton ships with CUDA builds of torch; without it the torch builders are used.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only where Triton is missing
+    triton = None
+    tl = None
+
+_TRITON_MAX_SORT = 16384  # largest per-program sort (elements) the kernels are launched with
+_TRITON_MAX_DEPTH_TABLE = 64  # compile kernel: ancestor table columns (tree depth bound + 1)
+_PRUNED_GRID: dict = {}
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _pruned_grid(budget: int, kk: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """Cells (j, r) with (j + 1) * (r + 1) <= B, j < B, r < kk: two int32 tensors (cached,
+    created on first use: call once outside CUDA-graph capture)."""
+    key = (budget, kk, str(device))
+    if key not in _PRUNED_GRID:
+        js, rs = [], []
+        for j in range(budget):
+            for r in range(min(kk, budget // (j + 1))):
+                js.append(j)
+                rs.append(r)
+        _PRUNED_GRID[key] = (
+            torch.tensor(js, dtype=torch.int32, device=device),
+            torch.tensor(rs, dtype=torch.int32, device=device),
+        )
+    return _PRUNED_GRID[key]
+
+
+def _num_warps(elements: int) -> int:
+    return 4 if elements <= 1024 else (8 if elements <= 4096 else 16)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _max_combine(a, b):
+        return tl.maximum(a, b)
+
+    @triton.jit
+    def _ddtree_build_kernel(
+        lp_ptr,  # [bs, L, kk] f32, rows sorted descending, <= 0, -inf for invalid requests
+        ids_ptr,  # [bs, L, kk] int64
+        pj_ptr,  # [P] int32 pruned grid: parent rank in score order
+        pr_ptr,  # [P] int32 pruned grid: child rank
+        wsf_ptr,  # [bs, (L + 1) * BB] f32: beam scores [L, BB], sorted parent scores [BB]
+        wsi_ptr,  # [bs, 2 * L * BB + 2 * BB + LB * BB] int32: beam parent, beam rank,
+        #                                    offsets, markers, verify index of each beam slot
+        wsk_ptr,  # [bs, LB * BB] int64: the sorted global keys
+        tok_ptr,  # [bs, B] int64 out
+        par_ptr,  # [bs, B] int64 out
+        dep_ptr,  # [bs, B] int64 out
+        score_ptr,  # [bs, B] f32 out
+        valid_ptr,  # [bs, B] int8 out
+        L,
+        kk,
+        B,
+        P,
+        BB: tl.constexpr,  # pow2 >= B
+        LB: tl.constexpr,  # pow2 >= L
+        PB: tl.constexpr,  # pow2 >= P
+        LOGK: tl.constexpr,  # binary-search steps over 0..kk
+    ):
+        NEG = float("-inf")
+        b = tl.program_id(0).to(tl.int64)
+        q = tl.arange(0, BB)
+        in_beam = q < B
+        lp_row = lp_ptr + b * L * kk
+        beam_s = wsf_ptr + b * (L + 1) * BB
+        sorted_s = beam_s + L * BB
+        beam_par = wsi_ptr + b * (2 * L * BB + 2 * BB + LB * BB)
+        beam_rank = beam_par + L * BB
+        offs_ws = beam_rank + L * BB
+        mark_ws = offs_ws + BB
+        vmap_ws = mark_ws + BB
+
+        # depth 1: ranks 0..kk-1 in order (kk <= B), padded with -inf
+        tl.store(beam_s + q, tl.load(lp_row + q, mask=q < kk, other=NEG))
+        tl.store(beam_par + q, tl.zeros([BB], tl.int32))
+        tl.store(beam_rank + q, q)
+        tl.debug_barrier()
+
+        p_idx = tl.arange(0, PB)
+        p_ok = p_idx < P
+        pj = tl.load(pj_ptr + p_idx, mask=p_ok, other=0)
+        pr = tl.load(pr_ptr + p_idx, mask=p_ok, other=0)
+        for d in range(1, L):
+            lp_d = lp_row + d * kk
+            s = tl.load(beam_s + (d - 1) * BB + q, mask=in_beam, other=NEG)  # lex order
+            tl.store(sorted_s + q, tl.sort(s, descending=True))
+            tl.debug_barrier()
+            # t = the B-th largest candidate, found on the pruned grid
+            cand = tl.load(sorted_s + pj, mask=p_ok, other=NEG) + tl.load(
+                lp_d + pr, mask=p_ok, other=NEG
+            )
+            cand = tl.where(p_ok, cand, NEG)
+            top = tl.sort(cand, descending=True)
+            t = tl.min(tl.where(p_idx < B, top, float("inf")), axis=0)
+            # per parent: #children > t and #children >= t (binary search over its ranks)
+            lo_g = tl.zeros([BB], tl.int32)
+            hi_g = tl.where(in_beam, kk, 0).to(tl.int32)
+            lo_e = lo_g
+            hi_e = hi_g
+            for _ in tl.static_range(LOGK):
+                act = lo_g < hi_g
+                mid = (lo_g + hi_g) // 2
+                above = (s + tl.load(lp_d + mid, mask=act, other=NEG)) > t
+                lo_g = tl.where(act & above, mid + 1, lo_g)
+                hi_g = tl.where(act & ~above, mid, hi_g)
+                act = lo_e < hi_e
+                mid = (lo_e + hi_e) // 2
+                atleast = (s + tl.load(lp_d + mid, mask=act, other=NEG)) >= t
+                lo_e = tl.where(act & atleast, mid + 1, lo_e)
+                hi_e = tl.where(act & ~atleast, mid, hi_e)
+            need = B - tl.sum(lo_g, axis=0)
+            tie = lo_e - lo_g
+            tie_before = tl.cumsum(tie, axis=0) - tie
+            take = lo_g + tl.minimum(tl.maximum(need - tie_before, 0), tie)
+            offs = tl.cumsum(take, axis=0) - take
+            # new beam slot q -> (parent, rank): scatter each parent at its first slot, scan max
+            tl.store(offs_ws + q, offs)
+            tl.store(mark_ws + q, tl.full([BB], -1, tl.int32))
+            tl.debug_barrier()
+            tl.store(mark_ws + offs, q, mask=take > 0)
+            tl.debug_barrier()
+            parent = tl.maximum(tl.associative_scan(tl.load(mark_ws + q), 0, _max_combine), 0)
+            rank = q - tl.load(offs_ws + parent)
+            ok = in_beam & (rank < kk)
+            new_s = tl.load(beam_s + (d - 1) * BB + parent) + tl.load(
+                lp_d + rank, mask=ok, other=NEG
+            )
+            tl.store(beam_s + d * BB + q, new_s, mask=in_beam)
+            tl.store(beam_par + d * BB + q, parent, mask=in_beam)
+            tl.store(beam_rank + d * BB + q, rank, mask=in_beam)
+            tl.debug_barrier()
+
+        # global top-B over the union: key = (score desc, depth asc, lexicographic position asc)
+        row = tl.arange(0, LB)[:, None]
+        col = q[None, :]
+        here = (row < L) & (col < B)
+        sc = tl.load(beam_s + row * BB + col, mask=here, other=NEG)
+        mag = (sc.to(tl.int32, bitcast=True) & 0x7FFFFFFF).to(tl.int64)
+        keys = tl.where(here, (mag << 32) | (row * BB + col).to(tl.int64), 0x7FFFFFFFFFFFFFFF)
+        keys = tl.sort(tl.reshape(keys, [LB * BB]))
+        key_ws = wsk_ptr + b * LB * BB
+        tl.store(key_ws + tl.arange(0, LB * BB), keys)
+        tl.debug_barrier()
+        slot = (tl.load(key_ws + q, mask=in_beam, other=0) & 0xFFFFFFFF).to(tl.int32)
+        tl.store(vmap_ws + slot, q + 1, mask=in_beam)
+        tl.debug_barrier()
+        depth0 = slot // BB
+        score = tl.load(beam_s + slot, mask=in_beam, other=NEG)
+        rank = tl.load(beam_rank + slot, mask=in_beam, other=0)
+        ppos = tl.load(beam_par + slot, mask=in_beam, other=0)
+        node = in_beam & (score != NEG)
+        pv = tl.load(vmap_ws + (depth0 - 1) * BB + ppos, mask=node & (depth0 > 0), other=0)
+        token = tl.load(ids_ptr + b * L * kk + depth0 * kk + rank, mask=node, other=0)
+        out = b * B + q
+        tl.store(tok_ptr + out, tl.where(node, token, 0), mask=in_beam)
+        tl.store(par_ptr + out, tl.where(node, pv, 0).to(tl.int64), mask=in_beam)
+        tl.store(dep_ptr + out, tl.where(node, depth0 + 1, 1).to(tl.int64), mask=in_beam)
+        tl.store(score_ptr + out, tl.where(node, score, NEG), mask=in_beam)
+        tl.store(valid_ptr + out, node.to(tl.int8), mask=in_beam)
+
+    @triton.jit
+    def _ddtree_compile_kernel(
+        tok_ptr,  # [bs, B] int64 tree tokens
+        par_ptr,  # [bs, B] int64 parent verify index
+        dep_ptr,  # [bs, B] int64 depth
+        valid_ptr,  # [bs, B] int8 node_valid
+        bonus_ptr,  # [bs] int64 root tokens
+        seq_ptr,  # [bs] int64 seq_lens
+        ws_ptr,  # [bs, 3 * NB + NB * DB] int32: sorted keys, parents, depths, ancestor table
+        out_tok_ptr,  # [bs, N] int64
+        out_pos_ptr,  # [bs, N] int64
+        out_par_ptr,  # [bs, N] int64
+        out_dep_ptr,  # [bs, N] int64
+        out_next_ptr,  # [bs, N] int64
+        out_sib_ptr,  # [bs, N] int64
+        mask_ptr,  # [bs, N, N] int8
+        B,
+        STEPS,  # depth bound: ancestor walk length
+        NB: tl.constexpr,  # pow2 >= N
+        DB: tl.constexpr,  # pow2 >= STEPS + 1
+        RB: tl.constexpr,  # mask rows per tile
+    ):
+        b = tl.program_id(0).to(tl.int64)
+        n = B + 1
+        i = tl.arange(0, NB)
+        inb = i < n
+        node = (i >= 1) & inb
+        src = b * B + i - 1
+        par = tl.where(node, tl.load(par_ptr + src, mask=node, other=0), -1)
+        dep = tl.where(node, tl.load(dep_ptr + src, mask=node, other=1), 0)
+        live = node & (tl.load(valid_ptr + src, mask=node, other=0) != 0)
+        tok = tl.where(node, tl.load(tok_ptr + src, mask=node, other=0), tl.load(bonus_ptr + b))
+        row = b * n + i
+        tl.store(out_tok_ptr + row, tok, mask=inb)
+        tl.store(out_pos_ptr + row, tl.load(seq_ptr + b) + dep, mask=inb)
+        tl.store(out_par_ptr + row, par, mask=inb)
+        tl.store(out_dep_ptr + row, dep, mask=inb)
+        tl.store(out_next_ptr + row, tl.full([NB], -1, tl.int64), mask=inb)
+        tl.store(out_sib_ptr + row, tl.full([NB], -1, tl.int64), mask=inb)
+
+        ws = ws_ptr + b * (3 * NB + NB * DB)
+        par_ws = ws + NB
+        dep_ws = par_ws + NB
+        anc_ws = dep_ws + NB
+        # children grouped by parent, in verify-index order: sort (parent, index)
+        child_of = tl.where(live, par, n).to(tl.int32)
+        sk = tl.sort(child_of * NB + i)
+        tl.store(ws + i, sk)
+        tl.store(par_ws + i, tl.maximum(par, 0).to(tl.int32))
+        tl.store(dep_ws + i, dep.to(tl.int32))
+        col = tl.arange(0, DB)
+        tl.store(anc_ws + i[:, None] * DB + col[None, :], tl.full([NB, DB], -1, tl.int32))
+        tl.debug_barrier()
+        nk = tl.load(ws + i + 1, mask=i + 1 < NB, other=(n + 1) * NB)
+        pk = tl.load(ws + i - 1, mask=i >= 1, other=0)
+        sp = sk // NB
+        si = sk % NB
+        child = sp < n
+        sib = tl.where(nk // NB == sp, nk % NB, -1).to(tl.int64)
+        tl.store(out_sib_ptr + b * n + si, sib, mask=child)
+        first = child & ((i == 0) | (pk // NB != sp))
+        tl.store(out_next_ptr + b * n + sp, si.to(tl.int64), mask=first)
+        # ancestor table: anc[i, k] = the ancestor of i at depth k (walk up STEPS + 1 times)
+        a = i
+        for _ in range(STEPS + 1):
+            tl.store(anc_ws + i * DB + tl.minimum(tl.load(dep_ws + a), DB - 1), a, mask=inb)
+            a = tl.load(par_ws + a)
+        tl.debug_barrier()
+        # mask[i, j] = j is an ancestor-or-self of i  <=>  anc[i, depth(j)] == j
+        dep_j = tl.load(dep_ws + i)
+        for r0 in range(0, n, RB):
+            ri = r0 + tl.arange(0, RB)
+            both = (ri[:, None] < n) & inb[None, :]
+            anc = tl.load(anc_ws + ri[:, None] * DB + dep_j[None, :], mask=both, other=-1)
+            hit = (anc == i[None, :]).to(tl.int8)
+            tl.store(mask_ptr + b * n * n + ri[:, None] * n + i[None, :], hit, mask=both)
+
+
+def _triton_ok(device: torch.device, backend: str) -> bool:
+    """Whether the fused kernels run here: CUDA tensors, or any device under TRITON_INTERPRET."""
+    if backend == "torch":
+        return False
+    usable = triton is not None and (
+        device.type == "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1"
+    )
+    if backend == "triton" and not usable:
+        raise RuntimeError(
+            "backend='triton' needs Triton and a CUDA tensor (or TRITON_INTERPRET=1)"
+        )
+    return usable
+
+
+def _build_tree_triton(lp: Tensor, ids: Tensor, budget: int) -> DDTree | None:
+    """The fused kernel; ``lp [bs, L, kk]`` f32 contiguous (invalid rows already -inf, -0.0
+    normalised), ``ids [bs, L, kk]`` int64. None when the sizes exceed what it is launched with."""
+    bs, depth_limit, kk = lp.shape
+    bb, lb = _pow2(budget), _pow2(depth_limit)
+    pj, pr = _pruned_grid(budget, kk, lp.device)
+    pb = _pow2(pj.numel())
+    if max(lb * bb, pb) > _TRITON_MAX_SORT:
+        return None
+    device = lp.device
+    wsf = torch.empty(bs, (depth_limit + 1) * bb, dtype=torch.float32, device=device)
+    wsi = torch.empty(
+        bs, 2 * depth_limit * bb + 2 * bb + lb * bb, dtype=torch.int32, device=device
+    )
+    wsk = torch.empty(bs, lb * bb, dtype=torch.int64, device=device)
+    tokens = torch.empty(bs, budget, dtype=torch.int64, device=device)
+    parents = torch.empty_like(tokens)
+    depth = torch.empty_like(tokens)
+    score = torch.empty(bs, budget, dtype=torch.float32, device=device)
+    valid = torch.empty(bs, budget, dtype=torch.int8, device=device)
+    _ddtree_build_kernel[(bs,)](
+        lp, ids, pj, pr, wsf, wsi, wsk, tokens, parents, depth, score, valid,
+        depth_limit, kk, budget, pj.numel(),
+        BB=bb, LB=lb, PB=pb, LOGK=kk.bit_length(),
+        num_warps=_num_warps(max(lb * bb, pb)),
+    )  # fmt: skip
+    return DDTree(tokens, parents, depth, score, valid.view(torch.bool))
+
+
+def _compile_tree_triton(
+    tree: DDTree, bonus: Tensor, seq_lens: Tensor, bound: int
+) -> tuple[Tensor, ...] | None:
+    """The fused compile kernel: (tokens, positions, parents, depth, next_token, next_sibling,
+    tree_mask), all ``[bs, N]`` / ``[bs, N, N]``; None when the depth bound is too large."""
+    bs, budget = tree.tokens.shape
+    n = budget + 1
+    nb, db = _pow2(n), _pow2(bound + 1)
+    if db > _TRITON_MAX_DEPTH_TABLE or nb * db > _TRITON_MAX_SORT * 4:
+        return None
+    device = tree.tokens.device
+    outs = [torch.empty(bs, n, dtype=torch.int64, device=device) for _ in range(6)]
+    mask = torch.empty(bs, n, n, dtype=torch.int8, device=device)
+    ws = torch.empty(bs, 3 * nb + nb * db, dtype=torch.int32, device=device)
+    _ddtree_compile_kernel[(bs,)](
+        tree.tokens.to(torch.int64).contiguous(),
+        tree.parents.to(torch.int64).contiguous(),
+        tree.depth.to(torch.int64).contiguous(),
+        tree.node_valid.to(torch.int8).contiguous(),
+        bonus.reshape(bs).to(device=device, dtype=torch.int64).contiguous(),
+        seq_lens.reshape(bs).to(device=device, dtype=torch.int64).contiguous(),
+        ws, *outs, mask, budget, bound,
+        NB=nb, DB=db, RB=max(1, min(nb, 8192 // nb)),
+        num_warps=_num_warps(nb * max(db, min(nb, 8192 // nb))),
+    )  # fmt: skip
+    return (*outs, mask.view(torch.bool))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -600,6 +951,7 @@ def compile_tree(
     build_custom_mask: bool = True,
     seq_lens_cpu: list[int] | Tensor | None = None,
     max_depth: int | None = None,
+    backend: str = "auto",
 ) -> CompiledTree:
     """Turn a :class:`DDTree` into SGLang verify inputs (see :class:`CompiledTree`).
 
@@ -613,24 +965,32 @@ def compile_tree(
             with :func:`tree_custom_mask`).
         seq_lens_cpu: host copy of ``seq_lens`` for the custom mask.
         max_depth: static bound on the tree depth (L); fewer pointer-jumping steps. Default B.
+        backend: as in :func:`build_tree`; the fused kernel needs ``max_depth`` < 64.
     """
     bs, budget = tree.tokens.shape
     n = budget + 1
     device = tree.tokens.device
-    root = torch.zeros(bs, 1, dtype=torch.int64, device=device)
-    tokens = torch.cat(
-        [bonus_tokens.view(bs, 1).to(device=device, dtype=torch.int64), tree.tokens], 1
-    )
-    depth = torch.cat([root, tree.depth], 1)
-    parents = torch.cat([root - 1, tree.parents], 1)
-    valid = torch.cat(
-        [torch.ones(bs, 1, dtype=torch.bool, device=device), tree.node_valid], 1
-    )
     bound = budget if max_depth is None else min(max_depth, budget)
-    tree_mask, next_token, next_sibling = tree_arrays_from_parents(
-        parents, valid, bound
-    )
-    positions = seq_lens.view(bs, 1).to(device=device, dtype=torch.int64) + depth
+    fused = None
+    if bs > 0 and _triton_ok(device, backend):
+        fused = _compile_tree_triton(tree, bonus_tokens, seq_lens, bound)
+    if fused is not None:
+        tokens, positions, parents, depth, next_token, next_sibling, tree_mask = fused
+    else:
+        root = torch.zeros(bs, 1, dtype=torch.int64, device=device)
+        tokens = torch.cat(
+            [bonus_tokens.view(bs, 1).to(device=device, dtype=torch.int64), tree.tokens],
+            1,
+        )
+        depth = torch.cat([root, tree.depth], 1)
+        parents = torch.cat([root - 1, tree.parents], 1)
+        valid = torch.cat(
+            [torch.ones(bs, 1, dtype=torch.bool, device=device), tree.node_valid], 1
+        )
+        tree_mask, next_token, next_sibling = tree_arrays_from_parents(
+            parents, valid, bound
+        )
+        positions = seq_lens.view(bs, 1).to(device=device, dtype=torch.int64) + depth
     if build_custom_mask:
         custom = tree_custom_mask(
             tree_mask, seq_lens if seq_lens_cpu is None else seq_lens_cpu
