@@ -535,8 +535,10 @@ except ImportError:  # pragma: no cover - exercised only where Triton is missing
     triton = None
     tl = None
 
-_TRITON_MAX_SORT = 16384  # largest per-program sort (elements) the kernels are launched with
-_TRITON_MAX_DEPTH_TABLE = 64  # compile kernel: ancestor table columns (tree depth bound + 1)
+# Largest per-program sort (elements) the kernels are launched with, and the compile kernel's
+# widest ancestor table (tree depth bound + 1); beyond them the torch ops run.
+_TRITON_MAX_SORT = 16384
+_TRITON_MAX_DEPTH_TABLE = 64
 _PRUNED_GRID: dict = {}
 
 
@@ -657,7 +659,9 @@ if triton is not None:
             tl.debug_barrier()
             tl.store(mark_ws + offs, q, mask=take > 0)
             tl.debug_barrier()
-            parent = tl.maximum(tl.associative_scan(tl.load(mark_ws + q), 0, _max_combine), 0)
+            parent = tl.maximum(
+                tl.associative_scan(tl.load(mark_ws + q), 0, _max_combine), 0
+            )
             rank = q - tl.load(offs_ws + parent)
             ok = in_beam & (rank < kk)
             new_s = tl.load(beam_s + (d - 1) * BB + parent) + tl.load(
@@ -674,7 +678,9 @@ if triton is not None:
         here = (row < L) & (col < B)
         sc = tl.load(beam_s + row * BB + col, mask=here, other=NEG)
         mag = (sc.to(tl.int32, bitcast=True) & 0x7FFFFFFF).to(tl.int64)
-        keys = tl.where(here, (mag << 32) | (row * BB + col).to(tl.int64), 0x7FFFFFFFFFFFFFFF)
+        keys = tl.where(
+            here, (mag << 32) | (row * BB + col).to(tl.int64), 0x7FFFFFFFFFFFFFFF
+        )
         keys = tl.sort(tl.reshape(keys, [LB * BB]))
         key_ws = wsk_ptr + b * LB * BB
         tl.store(key_ws + tl.arange(0, LB * BB), keys)
@@ -687,12 +693,16 @@ if triton is not None:
         rank = tl.load(beam_rank + slot, mask=in_beam, other=0)
         ppos = tl.load(beam_par + slot, mask=in_beam, other=0)
         node = in_beam & (score != NEG)
-        pv = tl.load(vmap_ws + (depth0 - 1) * BB + ppos, mask=node & (depth0 > 0), other=0)
+        pv = tl.load(
+            vmap_ws + (depth0 - 1) * BB + ppos, mask=node & (depth0 > 0), other=0
+        )
         token = tl.load(ids_ptr + b * L * kk + depth0 * kk + rank, mask=node, other=0)
         out = b * B + q
         tl.store(tok_ptr + out, tl.where(node, token, 0), mask=in_beam)
         tl.store(par_ptr + out, tl.where(node, pv, 0).to(tl.int64), mask=in_beam)
-        tl.store(dep_ptr + out, tl.where(node, depth0 + 1, 1).to(tl.int64), mask=in_beam)
+        tl.store(
+            dep_ptr + out, tl.where(node, depth0 + 1, 1).to(tl.int64), mask=in_beam
+        )
         tl.store(score_ptr + out, tl.where(node, score, NEG), mask=in_beam)
         tl.store(valid_ptr + out, node.to(tl.int8), mask=in_beam)
 
@@ -727,7 +737,9 @@ if triton is not None:
         par = tl.where(node, tl.load(par_ptr + src, mask=node, other=0), -1)
         dep = tl.where(node, tl.load(dep_ptr + src, mask=node, other=1), 0)
         live = node & (tl.load(valid_ptr + src, mask=node, other=0) != 0)
-        tok = tl.where(node, tl.load(tok_ptr + src, mask=node, other=0), tl.load(bonus_ptr + b))
+        tok = tl.where(
+            node, tl.load(tok_ptr + src, mask=node, other=0), tl.load(bonus_ptr + b)
+        )
         row = b * n + i
         tl.store(out_tok_ptr + row, tok, mask=inb)
         tl.store(out_pos_ptr + row, tl.load(seq_ptr + b) + dep, mask=inb)
@@ -747,7 +759,9 @@ if triton is not None:
         tl.store(par_ws + i, tl.maximum(par, 0).to(tl.int32))
         tl.store(dep_ws + i, dep.to(tl.int32))
         col = tl.arange(0, DB)
-        tl.store(anc_ws + i[:, None] * DB + col[None, :], tl.full([NB, DB], -1, tl.int32))
+        tl.store(
+            anc_ws + i[:, None] * DB + col[None, :], tl.full([NB, DB], -1, tl.int32)
+        )
         tl.debug_barrier()
         nk = tl.load(ws + i + 1, mask=i + 1 < NB, other=(n + 1) * NB)
         pk = tl.load(ws + i - 1, mask=i >= 1, other=0)
@@ -761,7 +775,9 @@ if triton is not None:
         # ancestor table: anc[i, k] = the ancestor of i at depth k (walk up STEPS + 1 times)
         a = i
         for _ in range(STEPS + 1):
-            tl.store(anc_ws + i * DB + tl.minimum(tl.load(dep_ws + a), DB - 1), a, mask=inb)
+            tl.store(
+                anc_ws + i * DB + tl.minimum(tl.load(dep_ws + a), DB - 1), a, mask=inb
+            )
             a = tl.load(par_ws + a)
         tl.debug_barrier()
         # mask[i, j] = j is an ancestor-or-self of i  <=>  anc[i, depth(j)] == j
@@ -769,18 +785,26 @@ if triton is not None:
         for r0 in range(0, n, RB):
             ri = r0 + tl.arange(0, RB)
             both = (ri[:, None] < n) & inb[None, :]
-            anc = tl.load(anc_ws + ri[:, None] * DB + dep_j[None, :], mask=both, other=-1)
+            anc = tl.load(
+                anc_ws + ri[:, None] * DB + dep_j[None, :], mask=both, other=-1
+            )
             hit = (anc == i[None, :]).to(tl.int8)
-            tl.store(mask_ptr + b * n * n + ri[:, None] * n + i[None, :], hit, mask=both)
+            tl.store(
+                mask_ptr + b * n * n + ri[:, None] * n + i[None, :], hit, mask=both
+            )
 
 
 def _triton_ok(device: torch.device, backend: str) -> bool:
-    """Whether the fused kernels run here: CUDA tensors, or any device under TRITON_INTERPRET."""
-    if backend == "torch":
-        return False
-    usable = triton is not None and (
-        device.type == "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1"
-    )
+    """Whether to run the fused kernels: ``auto`` on CUDA tensors; ``triton`` also on any
+    device under ``TRITON_INTERPRET=1`` (Triton's interpreter, used by the CPU tests)."""
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"backend must be auto, torch or triton, got {backend!r}")
+    if backend == "torch" or triton is None:
+        usable = False
+    elif backend == "auto":
+        return device.type == "cuda"
+    else:
+        usable = device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
     if backend == "triton" and not usable:
         raise RuntimeError(
             "backend='triton' needs Triton and a CUDA tensor (or TRITON_INTERPRET=1)"
@@ -979,7 +1003,10 @@ def compile_tree(
     else:
         root = torch.zeros(bs, 1, dtype=torch.int64, device=device)
         tokens = torch.cat(
-            [bonus_tokens.view(bs, 1).to(device=device, dtype=torch.int64), tree.tokens],
+            [
+                bonus_tokens.view(bs, 1).to(device=device, dtype=torch.int64),
+                tree.tokens,
+            ],
             1,
         )
         depth = torch.cat([root, tree.depth], 1)

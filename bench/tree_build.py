@@ -9,6 +9,8 @@ For every (bs, B) it times, on the same logits ([bs, L, V], bf16 by default):
 * ``build`` / ``build_compile``: :func:`build_tree` (+ :func:`compile_tree` without the
   variable-length custom mask), eager;
 * ``graph``: build + compile captured once in a ``torch.cuda.CUDAGraph`` and replayed (CUDA);
+  ``build_<backend>`` / ``build_compile_<backend>`` / ``graph_<backend>``: the same with
+  ``backend=`` forced (``--backends torch triton``), each checked against the heap;
 * ``custom_mask``: :func:`tree_custom_mask` for prefix length ``--seq-len`` (eager);
 * ``heap``: :func:`build_tree_reference` (per-request Python heap incl. its device-to-host copy).
 
@@ -133,18 +135,44 @@ def bench_case(args, device, logits, budget, time_it) -> dict:
 
     row["build"] = time_it(build, reps)
     row["build_compile"] = time_it(build_compile, reps)
+    for backend in args.backends:
+
+        def build_b(b=backend):
+            return du.build_tree(lp, ids, budget, backend=b)
+
+        def build_compile_b(b=backend):
+            tree = du.build_tree(lp, ids, budget, backend=b)
+            return du.compile_tree(
+                tree,
+                bonus,
+                seq_lens,
+                build_custom_mask=False,
+                max_depth=depth,
+                backend=b,
+            )
+
+        row[f"build_{backend}"] = time_it(build_b, reps)
+        row[f"build_compile_{backend}"] = time_it(build_compile_b, reps)
+        if device.type == "cuda":
+            row[f"graph_build_{backend}"] = time_it(capture(build_b), reps)
+            row[f"graph_{backend}"] = time_it(capture(build_compile_b), reps)
+        row[f"exact_{backend}"] = all(
+            torch.equal(a, b)
+            for a, b in zip(du.build_tree_reference(lp, ids, budget), build_b())
+        )
     compiled = build_compile()
     lens_cpu = [args.seq_len] * bs
     row["custom_mask"] = time_it(
         lambda: du.tree_custom_mask(compiled.tree_mask, lens_cpu), reps
     )
-    if device.type == "cuda":
+    if device.type == "cuda" and args.selects:
         default = du._BEAM_SELECT
         for method in args.selects:
             du._BEAM_SELECT = method
             row[f"graph_{method}"] = time_it(capture(build_compile), reps)
             row[f"graph_build_{method}"] = time_it(capture(build), reps)
         du._BEAM_SELECT = default
+    if device.type == "cuda":
         row["graph"] = time_it(capture(build_compile), reps)
     row["heap"] = time_it(lambda: du.build_tree_reference(lp, ids, budget), heap_reps)
     fast = row.get("graph", row["build_compile"])
@@ -152,7 +180,9 @@ def bench_case(args, device, logits, budget, time_it) -> dict:
     row["logp_over_bare"] = row["topk_logp"] / row["bare_topk"]
     # the benchmarked builder must agree with the reference on these real inputs
     ref, got = du.build_tree_reference(lp, ids, budget), build()
-    row["exact"] = all(torch.equal(a, b) for a, b in zip(ref, got))
+    row["exact"] = all(torch.equal(a, b) for a, b in zip(ref, got)) and all(
+        row[f"exact_{b}"] for b in args.backends
+    )
     return row
 
 
@@ -216,6 +246,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--selects", nargs="*", default=[], help="beam-selection kernels to time"
+    )
+    p.add_argument(
+        "--backends",
+        nargs="*",
+        default=[],
+        help="build_tree/compile_tree backends to time side by side (torch, triton)",
     )
     p.add_argument(
         "--chunks", type=int, nargs="*", default=[], help="extra chunk sizes to time"

@@ -166,3 +166,76 @@ def test_fused_normaliser_matches_chunked():
     b_lp, b_ids = du.draft_topk_logprobs(logits, 32, validate=False)
     assert torch.equal(a_ids, b_ids)
     assert torch.allclose(a_lp, b_lp, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "bs,depth,vocab,budget,cap",
+    [
+        (1, 1, 50, 1, None),
+        (3, 15, 700, 15, 16),
+        (33, 15, 700, 63, 16),
+        (7, 15, 2000, 64, None),
+        (5, 15, 5000, 255, None),
+        (4, 15, 5000, 512, None),
+        (2, 15, 5000, 1023, 64),
+        (6, 4, 3, 40, None),  # fewer prefixes than the budget
+    ],
+)
+@pytest.mark.parametrize("levels", [3, 10**6])
+def test_triton_kernels_equal_torch_and_heap(bs, depth, vocab, budget, cap, levels):
+    """The fused Triton build/compile kernels against the torch ops and the CPU heap, with
+    heavy ties (3 logit levels) and without; every request validity pattern."""
+    logits = quantised(bs, depth, vocab, levels, bs * 1000 + budget + levels)
+    logits[0, depth // 2, 1:] = float("-inf")  # one position with a single live token
+    lp, ids = du.draft_topk_logprobs(logits, min(budget, vocab))
+    valid = torch.rand(bs, device="cuda") > 0.2
+    got = du.build_tree(lp, ids, budget, valid=valid, topk_cap=cap, backend="triton")
+    ops = du.build_tree(lp, ids, budget, valid=valid, topk_cap=cap, backend="torch")
+    want = du.build_tree_reference(
+        lp.cpu(), ids.cpu(), budget, valid=valid.cpu(), topk_cap=cap
+    )
+    for name, a, b, c in zip(want._fields, want, got, ops):
+        assert torch.equal(a, b.cpu()), name
+        assert torch.equal(a, c.cpu()), name
+    bonus = torch.randint(0, vocab, (bs,), device="cuda")
+    seq = torch.randint(0, 3000, (bs,), device="cuda")
+    c_tri = du.compile_tree(
+        got, bonus, seq, build_custom_mask=False, max_depth=depth, backend="triton"
+    )
+    c_ops = du.compile_tree(
+        got, bonus, seq, build_custom_mask=False, max_depth=depth, backend="torch"
+    )
+    for name, a, b in zip(c_ops._fields, c_ops, c_tri):
+        assert torch.equal(a, b), name
+
+
+def test_triton_build_and_compile_replay_in_cuda_graph():
+    bs, budget, depth = 16, 63, 15
+    lp, ids = du.draft_topk_logprobs(quantised(bs, depth, 900, 9, 5), 16)
+    static_lp, static_ids = lp.clone(), ids.clone()
+    bonus = torch.arange(bs, device="cuda")
+    seq = torch.full((bs,), 77, device="cuda")
+
+    def step():
+        tree = du.build_tree(static_lp, static_ids, budget, backend="triton")
+        return tree, du.compile_tree(
+            tree, bonus, seq, build_custom_mask=False, max_depth=depth, backend="triton"
+        )
+
+    step()  # creates the pruned-grid table outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_tree, out_ct = step()
+    for seed in (6, 7, 8):
+        lp, ids = du.draft_topk_logprobs(quantised(bs, depth, 900, 9, seed), 16)
+        static_lp.copy_(lp)
+        static_ids.copy_(ids)
+        graph.replay()
+        want = du.build_tree_reference(lp.cpu(), ids.cpu(), budget)
+        for name, a, b in zip(want._fields, want, out_tree):
+            assert torch.equal(a, b.cpu()), name
+        ct = du.compile_tree(
+            want, bonus.cpu(), seq.cpu(), build_custom_mask=False, max_depth=depth
+        )
+        for name, a, b in zip(ct._fields, ct, out_ct):
+            assert torch.equal(a, b.cpu()), name

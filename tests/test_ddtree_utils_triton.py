@@ -1,0 +1,119 @@
+"""The fused Triton kernels of build_tree / compile_tree, run on the CPU by Triton's interpreter.
+
+CI has no GPU, so the kernels run here under ``TRITON_INTERPRET=1`` (Triton's own interpreter,
+the same kernel source, numpy semantics); the compiled kernels are checked on an H200 by
+tests/gpu/test_ddtree_utils_cuda.py. The interpreter is slow (seconds per call at L = 15), so
+the property test keeps L, K and B small and two fixed cases cover the realistic shape.
+
+tests/conftest.py sets the variable before Triton is first imported (Triton decides at
+decoration time whether a kernel is compiled or interpreted).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_ddtree_utils_tree import assert_tree_matches_brute, random_inputs
+
+import ddtree_utils as du
+
+triton = pytest.importorskip("triton")
+if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.fail(
+        "TRITON_INTERPRET=1 must be set before Triton is imported (tests/conftest.py)"
+    )
+
+
+def assert_same(want, got, what=""):
+    for name, a, b in zip(want._fields, want, got):
+        assert a.dtype == b.dtype and a.shape == b.shape, (what, name)
+        assert torch.equal(a, b), (what, name)
+
+
+def check_compile(tree, depth, seed):
+    gen = torch.Generator().manual_seed(seed)
+    bs = tree.tokens.shape[0]
+    bonus = torch.randint(0, 1000, (bs,), generator=gen)
+    seq = torch.randint(0, 500, (bs,), generator=gen)
+    want = du.compile_tree(tree, bonus, seq, max_depth=depth, backend="torch")
+    got = du.compile_tree(tree, bonus, seq, max_depth=depth, backend="triton")
+    assert_same(want, got, "compile")
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    bs=st.integers(1, 3),
+    depth=st.integers(1, 4),
+    vocab=st.integers(1, 6),
+    k=st.integers(1, 6),
+    budget=st.integers(1, 24),
+    levels=st.integers(1, 4),
+    p_ninf=st.sampled_from([0.0, 0.0, 0.3, 0.9]),
+    cap=st.one_of(st.none(), st.integers(1, 4)),
+    invalid_mask=st.integers(0, 7),
+)
+def test_kernels_equal_brute_force_and_reference(
+    seed, bs, depth, vocab, k, budget, levels, p_ninf, cap, invalid_mask
+):
+    """Ties (few logit levels), -inf holes, invalid rows, caps, B beyond the prefix count."""
+    lp, ids = random_inputs(seed, bs, depth, vocab, k, levels, p_ninf)
+    valid = torch.tensor([not (invalid_mask >> b) & 1 for b in range(bs)])
+    got = du.build_tree(lp, ids, budget, valid=valid, topk_cap=cap, backend="triton")
+    assert_tree_matches_brute(got, lp, ids, budget, valid.tolist(), cap)
+    ref = du.build_tree_reference(lp, ids, budget, valid=valid, topk_cap=cap)
+    assert_same(ref, got, "build")
+    check_compile(got, depth, seed)
+
+
+@pytest.mark.parametrize("budget,k,levels", [(64, 16, 3), (40, 40, 10**6)])
+def test_kernels_realistic_shape(budget, k, levels):
+    """L = 15 as with DFlash block 16; heavy ties with 3 logit levels."""
+    gen = torch.Generator().manual_seed(budget + levels)
+    logits = torch.randint(0, levels, (2, 15, 300), generator=gen).float() / levels * 8
+    lp, ids = du.draft_topk_logprobs(logits, k)
+    valid = torch.tensor([True, False])
+    got = du.build_tree(lp, ids, budget, valid=valid, backend="triton")
+    assert_same(du.build_tree_reference(lp, ids, budget, valid=valid), got, "build")
+    check_compile(got, 15, budget)
+
+
+def test_kernel_pruned_grid_covers_the_threshold():
+    """All candidates tie except one column: the B-th best lies outside (j+1)(r+1) <= B."""
+    lp = torch.zeros(1, 2, 8)
+    lp[0, 0, :] = torch.tensor([0.0, -1.0, -1.0, -1.0, -1.0, -1.0, -1.0, -1.0])
+    lp[0, 1, :] = -1.0
+    ids = torch.arange(16).view(1, 2, 8)
+    for budget in (3, 8, 12, 20):
+        got = du.build_tree(lp, ids, budget, backend="triton")
+        assert_same(du.build_tree_reference(lp, ids, budget), got, f"B={budget}")
+
+
+def test_backend_choice(monkeypatch):
+    lp, ids = du.draft_topk_logprobs(torch.randn(1, 3, 10), 4)
+    with pytest.raises(ValueError, match="backend"):
+        du.build_tree(lp, ids, 4, backend="bogus")
+
+    def no_kernel(*args):
+        raise AssertionError("auto must not launch the kernel for CPU tensors")
+
+    # "auto" on the CPU runs the torch ops, even under the interpreter
+    monkeypatch.setattr(du, "_build_tree_triton", no_kernel)
+    monkeypatch.setattr(du, "_compile_tree_triton", no_kernel)
+    tree = du.build_tree(lp, ids, 4)
+    assert_same(du.build_tree_reference(lp, ids, 4), tree)
+    du.compile_tree(
+        tree, torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
+    )
+    assert du._pow2(1) == 1 and du._pow2(5) == 8 and du._pow2(64) == 64
+
+
+def test_pruned_grid_cells():
+    pj, pr = du._pruned_grid(12, 5, torch.device("cpu"))
+    cells = set(zip(pj.tolist(), pr.tolist()))
+    want = {(j, r) for j in range(12) for r in range(5) if (j + 1) * (r + 1) <= 12}
+    assert cells == want and len(pj) == len(want)
