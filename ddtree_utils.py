@@ -137,6 +137,7 @@ def draft_topk_logprobs(
     chunk_size: int = 32768,
     validate: bool = True,
     fused: bool = False,
+    backend: str = "auto",
 ) -> tuple[Tensor, Tensor]:
     """Per-position top-k token ids and log-probabilities under the full-vocabulary log-softmax.
 
@@ -146,8 +147,13 @@ def draft_topk_logprobs(
         chunk_size: vocabulary columns per logsumexp pass (bounds temporaries).
         validate: raise ``ValueError`` on NaN/+inf logits (one host sync); pass False inside
             CUDA graphs.
-        fused: compute the normaliser with a torch.compile-generated kernel that reads the
-            logits once (optional; needs a working torch.compile backend, e.g. Triton on CUDA).
+        fused: torch path only: compute the normaliser with a torch.compile-generated kernel
+            that reads the logits once (needs a working torch.compile backend).
+        backend: ``"auto"`` (CUDA, ``fused=False``, K <= 256: two Triton kernels that read
+            the logits once, per-chunk top-k keys + max + sum of exponentials, then a per-row
+            merge; else torch), ``"torch"`` (``torch.topk`` + chunked logsumexp), ``"triton"``.
+            Among exactly equal logits the kernels prefer the lower token id; torch.topk's
+            order there is unspecified.
 
     Returns:
         ``(topk_logp [bs, L, K] float32 sorted descending, topk_ids [bs, L, K] int64)``.
@@ -165,6 +171,13 @@ def draft_topk_logprobs(
             torch.empty(shape, dtype=torch.float32, device=logits.device),
             torch.empty(shape, dtype=torch.int64, device=logits.device),
         )
+    if _triton_ok(logits.device, "torch" if fused and backend == "auto" else backend):
+        out = _topk_logprobs_triton(logits, kk)
+        if out is not None:
+            logp, ids, lse = out
+            if validate:
+                _check_lse(lse)
+            return logp, ids
     vals, ids = torch.topk(logits, kk, dim=-1, largest=True, sorted=True)
     lse = _chunked_logsumexp(logits, chunk_size, vals[..., :1], fused=fused)
     if validate:
@@ -792,6 +805,125 @@ if triton is not None:
             tl.store(
                 mask_ptr + b * n * n + ri[:, None] * n + i[None, :], hit, mask=both
             )
+
+    @triton.jit
+    def _topk_keys(x, cols, KP: tl.constexpr, USE_TOPK: tl.constexpr):
+        """The KP largest of ``x`` (f32) as int64 keys, largest first: high word = the float
+        bits mapped to a signed order-preserving int, low word = ~column (lower column first
+        among equal values)."""
+        bits = x.to(tl.int32, bitcast=True)
+        ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+        keys = (ordered.to(tl.int64) << 32) | (~cols.to(tl.int64) & 0xFFFFFFFF)
+        if USE_TOPK:
+            top = tl.topk(keys, KP)
+        else:  # older Triton: full sort; the first KP are the column-wise max of the rows
+            srt = tl.sort(keys, descending=True)
+            top = tl.max(tl.reshape(srt, [keys.shape[0] // KP, KP]), axis=0)
+        return top
+
+    @triton.jit
+    def _topk_partial_kernel(
+        x_ptr,  # [rows, V] logits, any float dtype, row stride x_stride
+        keys_ptr,  # [rows, NC, KP] int64 out: per-chunk top keys
+        m_ptr,  # [rows, NC] f32 out: chunk max
+        s_ptr,  # [rows, NC] f32 out: sum(exp(x - chunk max))
+        V,
+        x_stride,
+        NC,
+        CHUNK: tl.constexpr,
+        KP: tl.constexpr,
+        USE_TOPK: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1)
+        cols = c * CHUNK + tl.arange(0, CHUNK)
+        x = tl.load(x_ptr + row * x_stride + cols, mask=cols < V, other=float("-inf"))
+        x = x.to(tl.float32)
+        m = tl.max(x, axis=0)
+        shift = tl.where(m == float("-inf"), 0.0, m)
+        s = tl.sum(tl.exp(x - shift), axis=0)
+        top = _topk_keys(x, cols, KP, USE_TOPK)
+        tl.store(keys_ptr + (row * NC + c) * KP + tl.arange(0, KP), top)
+        tl.store(m_ptr + row * NC + c, m)
+        tl.store(s_ptr + row * NC + c, s)
+
+    @triton.jit
+    def _topk_merge_kernel(
+        keys_ptr,  # [rows, NC, KP] int64
+        m_ptr,  # [rows, NC] f32
+        s_ptr,  # [rows, NC] f32
+        logp_ptr,  # [rows, K] f32 out
+        ids_ptr,  # [rows, K] int64 out
+        lse_ptr,  # [rows] f32 out
+        NC,
+        K,
+        NCB: tl.constexpr,  # pow2 >= NC
+        KP: tl.constexpr,
+        USE_TOPK: tl.constexpr,
+    ):
+        NEG = float("-inf")
+        row = tl.program_id(0).to(tl.int64)
+        c = tl.arange(0, NCB)
+        m = tl.load(m_ptr + row * NC + c, mask=c < NC, other=NEG)
+        s = tl.load(s_ptr + row * NC + c, mask=c < NC, other=0.0)
+        big = tl.max(m, axis=0)
+        shift = tl.where(big == NEG, 0.0, big)
+        total = tl.sum(s * tl.exp(tl.where(m == NEG, NEG, m - shift)), axis=0)
+        lse = shift + tl.log(total)  # -inf for an all -inf row; NaN / +inf propagate
+        j = tl.arange(0, NCB * KP)
+        keys = tl.load(
+            keys_ptr + row * NC * KP + j, mask=j < NC * KP, other=-0x7FFFFFFFFFFFFFFF
+        )
+        if USE_TOPK:
+            top = tl.topk(keys, KP)
+        else:
+            srt = tl.sort(keys, descending=True)
+            top = tl.max(tl.reshape(srt, [NCB, KP]), axis=0)
+        ordered = (top >> 32).to(tl.int32)
+        bits = ordered ^ ((ordered >> 31) & 0x7FFFFFFF)
+        val = bits.to(tl.float32, bitcast=True)
+        col = (~top) & 0xFFFFFFFF
+        logp = tl.where(val == NEG, NEG, tl.minimum(val - lse, 0.0))
+        logp = tl.where(lse == NEG, NEG, logp)
+        k = tl.arange(0, KP)
+        tl.store(logp_ptr + row * K + k, logp + 0.0, mask=k < K)
+        tl.store(ids_ptr + row * K + k, col, mask=k < K)
+        tl.store(lse_ptr + row, lse)
+
+
+def _topk_logprobs_triton(
+    logits: Tensor, kk: int
+) -> tuple[Tensor, Tensor, Tensor] | None:
+    """One read of the logits: per-chunk top-k keys, max and sum of exponentials, then a
+    per-row merge. ``logits [bs, L, V]``; returns (logp, ids, lse) or None when K is too large."""
+    bs, positions, vocab = logits.shape
+    kp = _pow2(kk)
+    chunk = max(kp, min(4096, _pow2(vocab)))
+    nc = triton.cdiv(vocab, chunk)
+    ncb = _pow2(nc)
+    if kp > 256 or ncb * kp > _TRITON_MAX_SORT:
+        return None
+    x = logits.reshape(bs * positions, vocab)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    rows = x.shape[0]
+    device = logits.device
+    keys = torch.empty(rows, nc, kp, dtype=torch.int64, device=device)
+    m = torch.empty(rows, nc, dtype=torch.float32, device=device)
+    s = torch.empty_like(m)
+    use_topk = hasattr(tl, "topk")
+    _topk_partial_kernel[(rows, nc)](
+        x, keys, m, s, vocab, x.stride(0), nc,
+        CHUNK=chunk, KP=kp, USE_TOPK=use_topk, num_warps=8,
+    )  # fmt: skip
+    logp = torch.empty(bs, positions, kk, dtype=torch.float32, device=device)
+    ids = torch.empty(bs, positions, kk, dtype=torch.int64, device=device)
+    lse = torch.empty(bs, positions, dtype=torch.float32, device=device)
+    _topk_merge_kernel[(rows,)](
+        keys, m, s, logp, ids, lse, nc, kk,
+        NCB=ncb, KP=kp, USE_TOPK=use_topk, num_warps=_num_warps(ncb * kp),
+    )  # fmt: skip
+    return logp, ids, lse
 
 
 def _triton_ok(device: torch.device, backend: str) -> bool:

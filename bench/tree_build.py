@@ -5,6 +5,8 @@ For every (bs, B) it times, on the same logits ([bs, L, V], bf16 by default):
 
 * ``bare_topk``: ``torch.topk(logits, K)``, the memory-bound floor (K = min(B, V));
 * ``topk_logp``: :func:`ddtree_utils.draft_topk_logprobs` (top-k + full-vocab log-probs);
+  ``topk_logp_<backend>`` / ``topk_logp_graph_<backend>``: with ``backend=`` forced, eager
+  and replayed from a CUDA graph (no NaN check);
 * ``naive_logp``: ``log_softmax(logits.float())`` then ``topk`` (two passes, for orientation);
 * ``build`` / ``build_compile``: :func:`build_tree` (+ :func:`compile_tree` without the
   variable-length custom mask), eager;
@@ -109,6 +111,20 @@ def bench_case(args, device, logits, budget, time_it) -> dict:
                 )
             )
             row[name] = time_it(replay, reps)
+    for backend in args.backends:
+        row[f"topk_logp_{backend}"] = time_it(
+            lambda b=backend: du.draft_topk_logprobs(
+                logits, k, validate=False, backend=b
+            ),
+            reps,
+        )
+        if device.type == "cuda":
+            replay = capture(
+                lambda b=backend: du.draft_topk_logprobs(
+                    logits, k, validate=False, backend=b
+                )
+            )
+            row[f"topk_logp_graph_{backend}"] = time_it(replay, reps)
     for chunk in args.chunks:
         row[f"topk_logp_c{chunk}"] = time_it(
             lambda c=chunk: du.draft_topk_logprobs(

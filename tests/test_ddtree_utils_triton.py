@@ -117,3 +117,47 @@ def test_pruned_grid_cells():
     cells = set(zip(pj.tolist(), pr.tolist()))
     want = {(j, r) for j in range(12) for r in range(5) if (j + 1) * (r + 1) <= 12}
     assert cells == want and len(pj) == len(want)
+
+
+@pytest.mark.parametrize(
+    "shape,k,dtype",
+    [
+        ((2, 3, 700), 16, torch.bfloat16),
+        ((1, 2, 9000), 64, torch.float32),
+        ((2, 2, 5), 8, torch.float16),  # K > V
+        ((1, 1, 1), 4, torch.float32),
+    ],
+)
+def test_topk_kernels_equal_torch(shape, k, dtype):
+    """One read of the logits: per-chunk top-k keys + max + sum of exponentials, merged."""
+    gen = torch.Generator().manual_seed(sum(shape) + k)
+    logits = (torch.randn(*shape, generator=gen) * 3).to(dtype)
+    logits[0, 0, :] = float("-inf")  # an all -inf row: -inf log-probabilities
+    if shape[-1] > 100:
+        logits[-1, -1, : shape[-1] // 2] = float("-inf")
+        logits[-1, 0, 7:40] = logits[-1, 0, 6]  # exact ties: the lower id comes first
+    lp, ids = du.draft_topk_logprobs(logits, k, backend="triton")
+    t_lp, t_ids = du.draft_topk_logprobs(logits, k, backend="torch")
+    kk = min(k, shape[-1])
+    assert lp.shape == ids.shape == (*shape[:2], kk)
+    assert lp.dtype == torch.float32 and ids.dtype == torch.int64
+    assert torch.equal(lp.isneginf(), t_lp.isneginf())
+    assert torch.allclose(lp, t_lp, atol=1e-5)
+    assert torch.equal(
+        logits.float().gather(-1, ids), logits.float().topk(kk, dim=-1).values
+    )
+    live = ~logits.isneginf().all(-1)
+    assert (ids[live].sort(-1).values.diff(dim=-1) > 0).all()
+    if shape[-1] > 100:
+        vals = logits[-1, 0].float()
+        tied = ids[-1, 0][vals[ids[-1, 0]] == vals[6]]
+        assert torch.equal(tied, tied.sort().values)
+
+
+def test_topk_kernels_reject_nan():
+    logits = torch.randn(1, 2, 100)
+    logits[0, 1, 3] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        du.draft_topk_logprobs(logits, 4, backend="triton")
+    lp, _ = du.draft_topk_logprobs(logits, 4, backend="triton", validate=False)
+    assert lp.shape == (1, 2, 4)
