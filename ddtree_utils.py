@@ -85,7 +85,11 @@ def _fused_sumexp(x: Tensor, shift: Tensor) -> Tensor:
 
 
 def _chunked_logsumexp(
-    logits: Tensor, chunk_size: int, peak: Tensor | None = None, fused: bool = False
+    logits: Tensor,
+    chunk_size: int,
+    peak: Tensor | None = None,
+    fused: bool = False,
+    kernel: bool = False,
 ) -> Tensor:
     """float32 logsumexp over the last dim, reading ``chunk_size`` columns at a time.
 
@@ -99,6 +103,8 @@ def _chunked_logsumexp(
     shift = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
     if fused:
         return (shift + _fused_sumexp(logits, shift).log_()).squeeze(-1)
+    if kernel and logits.numel():
+        return _logsumexp_triton(logits, shift)
     total = None
     for start in range(0, logits.shape[-1], chunk_size):
         part = (
@@ -147,13 +153,12 @@ def draft_topk_logprobs(
         chunk_size: vocabulary columns per logsumexp pass (bounds temporaries).
         validate: raise ``ValueError`` on NaN/+inf logits (one host sync); pass False inside
             CUDA graphs.
-        fused: torch path only: compute the normaliser with a torch.compile-generated kernel
-            that reads the logits once (needs a working torch.compile backend).
-        backend: ``"auto"`` (CUDA, ``fused=False``, K <= 256: two Triton kernels that read
-            the logits once, per-chunk top-k keys + max + sum of exponentials, then a per-row
-            merge; else torch), ``"torch"`` (``torch.topk`` + chunked logsumexp), ``"triton"``.
-            Among exactly equal logits the kernels prefer the lower token id; torch.topk's
-            order there is unspecified.
+        fused: compute the normaliser with a torch.compile-generated kernel that reads the
+            logits once (needs a working torch.compile backend; overrides ``backend``).
+        backend: how the normaliser is computed after ``torch.topk``: ``"auto"`` = the
+            Triton kernel on CUDA (one read of the logits, no torch.compile), else chunked
+            torch ops; ``"torch"``: chunked torch ops; ``"triton"``: the kernel (CUDA, or the
+            CPU under ``TRITON_INTERPRET=1``).
 
     Returns:
         ``(topk_logp [bs, L, K] float32 sorted descending, topk_ids [bs, L, K] int64)``.
@@ -171,15 +176,11 @@ def draft_topk_logprobs(
             torch.empty(shape, dtype=torch.float32, device=logits.device),
             torch.empty(shape, dtype=torch.int64, device=logits.device),
         )
-    if _triton_ok(logits.device, "torch" if fused and backend == "auto" else backend):
-        out = _topk_logprobs_triton(logits, kk)
-        if out is not None:
-            logp, ids, lse = out
-            if validate:
-                _check_lse(lse)
-            return logp, ids
     vals, ids = torch.topk(logits, kk, dim=-1, largest=True, sorted=True)
-    lse = _chunked_logsumexp(logits, chunk_size, vals[..., :1], fused=fused)
+    kernel = not fused and _triton_ok(logits.device, backend)
+    lse = _chunked_logsumexp(
+        logits, chunk_size, vals[..., :1], fused=fused, kernel=kernel
+    )
     if validate:
         _check_lse(lse)
     return _logp_from(vals, lse), ids
@@ -807,123 +808,40 @@ if triton is not None:
             )
 
     @triton.jit
-    def _topk_keys(x, cols, KP: tl.constexpr, USE_TOPK: tl.constexpr):
-        """The KP largest of ``x`` (f32) as int64 keys, largest first: high word = the float
-        bits mapped to a signed order-preserving int, low word = ~column (lower column first
-        among equal values)."""
-        bits = x.to(tl.int32, bitcast=True)
-        ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-        keys = (ordered.to(tl.int64) << 32) | (~cols.to(tl.int64) & 0xFFFFFFFF)
-        if USE_TOPK:
-            top = tl.topk(keys, KP)
-        else:  # older Triton: full sort; the first KP are the column-wise max of the rows
-            srt = tl.sort(keys, descending=True)
-            top = tl.max(tl.reshape(srt, [keys.shape[0] // KP, KP]), axis=0)
-        return top
-
-    @triton.jit
-    def _topk_partial_kernel(
+    def _sumexp_partial_kernel(
         x_ptr,  # [rows, V] logits, any float dtype, row stride x_stride
-        keys_ptr,  # [rows, NC, KP] int64 out: per-chunk top keys
-        m_ptr,  # [rows, NC] f32 out: chunk max
-        s_ptr,  # [rows, NC] f32 out: sum(exp(x - chunk max))
+        shift_ptr,  # [rows] f32 shift (the row's top-1 logit when finite, else 0)
+        out_ptr,  # [rows, NC] f32 out: sum(exp(x - shift)) over chunk c
         V,
         x_stride,
         NC,
         CHUNK: tl.constexpr,
-        KP: tl.constexpr,
-        USE_TOPK: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1)
         cols = c * CHUNK + tl.arange(0, CHUNK)
         x = tl.load(x_ptr + row * x_stride + cols, mask=cols < V, other=float("-inf"))
-        x = x.to(tl.float32)
-        m = tl.max(x, axis=0)
-        shift = tl.where(m == float("-inf"), 0.0, m)
-        s = tl.sum(tl.exp(x - shift), axis=0)
-        top = _topk_keys(x, cols, KP, USE_TOPK)
-        tl.store(keys_ptr + (row * NC + c) * KP + tl.arange(0, KP), top)
-        tl.store(m_ptr + row * NC + c, m)
-        tl.store(s_ptr + row * NC + c, s)
-
-    @triton.jit
-    def _topk_merge_kernel(
-        keys_ptr,  # [rows, NC, KP] int64
-        m_ptr,  # [rows, NC] f32
-        s_ptr,  # [rows, NC] f32
-        logp_ptr,  # [rows, K] f32 out
-        ids_ptr,  # [rows, K] int64 out
-        lse_ptr,  # [rows] f32 out
-        NC,
-        K,
-        NCB: tl.constexpr,  # pow2 >= NC
-        KP: tl.constexpr,
-        USE_TOPK: tl.constexpr,
-    ):
-        NEG = float("-inf")
-        row = tl.program_id(0).to(tl.int64)
-        c = tl.arange(0, NCB)
-        m = tl.load(m_ptr + row * NC + c, mask=c < NC, other=NEG)
-        s = tl.load(s_ptr + row * NC + c, mask=c < NC, other=0.0)
-        big = tl.max(m, axis=0)
-        shift = tl.where(big == NEG, 0.0, big)
-        total = tl.sum(s * tl.exp(tl.where(m == NEG, NEG, m - shift)), axis=0)
-        lse = shift + tl.log(total)  # -inf for an all -inf row; NaN / +inf propagate
-        j = tl.arange(0, NCB * KP)
-        keys = tl.load(
-            keys_ptr + row * NC * KP + j, mask=j < NC * KP, other=-0x7FFFFFFFFFFFFFFF
-        )
-        if USE_TOPK:
-            top = tl.topk(keys, KP)
-        else:
-            srt = tl.sort(keys, descending=True)
-            top = tl.max(tl.reshape(srt, [NCB, KP]), axis=0)
-        ordered = (top >> 32).to(tl.int32)
-        bits = ordered ^ ((ordered >> 31) & 0x7FFFFFFF)
-        val = bits.to(tl.float32, bitcast=True)
-        col = (~top) & 0xFFFFFFFF
-        logp = tl.where(val == NEG, NEG, tl.minimum(val - lse, 0.0))
-        logp = tl.where(lse == NEG, NEG, logp)
-        k = tl.arange(0, KP)
-        tl.store(logp_ptr + row * K + k, logp + 0.0, mask=k < K)
-        tl.store(ids_ptr + row * K + k, col, mask=k < K)
-        tl.store(lse_ptr + row, lse)
+        s = tl.sum(tl.exp(x.to(tl.float32) - tl.load(shift_ptr + row)), axis=0)
+        tl.store(out_ptr + row * NC + c, s)
 
 
-def _topk_logprobs_triton(
-    logits: Tensor, kk: int
-) -> tuple[Tensor, Tensor, Tensor] | None:
-    """One read of the logits: per-chunk top-k keys, max and sum of exponentials, then a
-    per-row merge. ``logits [bs, L, V]``; returns (logp, ids, lse) or None when K is too large."""
-    bs, positions, vocab = logits.shape
-    kp = _pow2(kk)
-    chunk = max(kp, min(4096, _pow2(vocab)))
-    nc = triton.cdiv(vocab, chunk)
-    ncb = _pow2(nc)
-    if kp > 256 or ncb * kp > _TRITON_MAX_SORT:
-        return None
-    x = logits.reshape(bs * positions, vocab)
+def _logsumexp_triton(logits: Tensor, shift: Tensor) -> Tensor:
+    """float32 ``shift + log(sum(exp(logits - shift)))`` over the last dim: one Triton kernel
+    reads the logits once (a grid of rows x vocabulary chunks), then the chunk sums are added.
+    ``logits [..., V]``, ``shift [..., 1]`` f32 (finite)."""
+    vocab = logits.shape[-1]
+    x = logits.reshape(-1, vocab)
     if x.stride(-1) != 1:
         x = x.contiguous()
     rows = x.shape[0]
-    device = logits.device
-    keys = torch.empty(rows, nc, kp, dtype=torch.int64, device=device)
-    m = torch.empty(rows, nc, dtype=torch.float32, device=device)
-    s = torch.empty_like(m)
-    use_topk = hasattr(tl, "topk")
-    _topk_partial_kernel[(rows, nc)](
-        x, keys, m, s, vocab, x.stride(0), nc,
-        CHUNK=chunk, KP=kp, USE_TOPK=use_topk, num_warps=8,
-    )  # fmt: skip
-    logp = torch.empty(bs, positions, kk, dtype=torch.float32, device=device)
-    ids = torch.empty(bs, positions, kk, dtype=torch.int64, device=device)
-    lse = torch.empty(bs, positions, dtype=torch.float32, device=device)
-    _topk_merge_kernel[(rows,)](
-        keys, m, s, logp, ids, lse, nc, kk,
-        NCB=ncb, KP=kp, USE_TOPK=use_topk, num_warps=_num_warps(ncb * kp),
-    )  # fmt: skip
-    return logp, ids, lse
+    chunk = min(8192, _pow2(vocab))
+    nc = triton.cdiv(vocab, chunk)
+    part = torch.empty(rows, nc, dtype=torch.float32, device=logits.device)
+    flat_shift = shift.reshape(rows).contiguous()
+    _sumexp_partial_kernel[(rows, nc)](
+        x, flat_shift, part, vocab, x.stride(0), nc, CHUNK=chunk, num_warps=8
+    )
+    return (flat_shift + part.sum(dim=1).log_()).view(logits.shape[:-1])
 
 
 def _triton_ok(device: torch.device, backend: str) -> bool:
@@ -948,9 +866,10 @@ def _build_tree_triton(lp: Tensor, ids: Tensor, budget: int) -> DDTree | None:
     """The fused kernel; ``lp [bs, L, kk]`` f32 contiguous (invalid rows already -inf, -0.0
     normalised), ``ids [bs, L, kk]`` int64. None when the sizes exceed what it is launched with."""
     bs, depth_limit, kk = lp.shape
-    bb, lb = _pow2(budget), _pow2(depth_limit)
+    # block sizes >= 2: single-element blocks are not reliably compiled by every Triton
+    bb, lb = max(2, _pow2(budget)), max(2, _pow2(depth_limit))
     pj, pr = _pruned_grid(budget, kk, lp.device)
-    pb = _pow2(pj.numel())
+    pb = max(2, _pow2(pj.numel()))
     if max(lb * bb, pb) > _TRITON_MAX_SORT:
         return None
     device = lp.device
@@ -980,7 +899,7 @@ def _compile_tree_triton(
     tree_mask), all ``[bs, N]`` / ``[bs, N, N]``; None when the depth bound is too large."""
     bs, budget = tree.tokens.shape
     n = budget + 1
-    nb, db = _pow2(n), _pow2(bound + 1)
+    nb, db = max(2, _pow2(n)), max(2, _pow2(bound + 1))
     if db > _TRITON_MAX_DEPTH_TABLE or nb * db > _TRITON_MAX_SORT * 4:
         return None
     device = tree.tokens.device

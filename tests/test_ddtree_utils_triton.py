@@ -120,44 +120,34 @@ def test_pruned_grid_cells():
 
 
 @pytest.mark.parametrize(
-    "shape,k,dtype",
+    "shape,dtype",
     [
-        ((2, 3, 700), 16, torch.bfloat16),
-        ((1, 2, 9000), 64, torch.float32),
-        ((2, 2, 5), 8, torch.float16),  # K > V
-        ((1, 1, 1), 4, torch.float32),
+        ((2, 3, 700), torch.bfloat16),
+        ((1, 2, 20000), torch.float32),
+        ((2, 2, 5), torch.float16),
     ],
 )
-def test_topk_kernels_equal_torch(shape, k, dtype):
-    """One read of the logits: per-chunk top-k keys + max + sum of exponentials, merged."""
-    gen = torch.Generator().manual_seed(sum(shape) + k)
+def test_normaliser_kernel_equals_torch(shape, dtype):
+    """draft_topk_logprobs with the Triton normaliser (one read of the logits) against the
+    chunked torch normaliser: same ids, log-probabilities within float32 rounding."""
+    gen = torch.Generator().manual_seed(sum(shape))
     logits = (torch.randn(*shape, generator=gen) * 3).to(dtype)
     logits[0, 0, :] = float("-inf")  # an all -inf row: -inf log-probabilities
-    if shape[-1] > 100:
-        logits[-1, -1, : shape[-1] // 2] = float("-inf")
-        logits[-1, 0, 7:40] = logits[-1, 0, 6]  # exact ties: the lower id comes first
-    lp, ids = du.draft_topk_logprobs(logits, k, backend="triton")
-    t_lp, t_ids = du.draft_topk_logprobs(logits, k, backend="torch")
-    kk = min(k, shape[-1])
-    assert lp.shape == ids.shape == (*shape[:2], kk)
-    assert lp.dtype == torch.float32 and ids.dtype == torch.int64
-    assert torch.equal(lp.isneginf(), t_lp.isneginf())
-    assert torch.allclose(lp, t_lp, atol=1e-5)
-    assert torch.equal(
-        logits.float().gather(-1, ids), logits.float().topk(kk, dim=-1).values
-    )
-    live = ~logits.isneginf().all(-1)
-    assert (ids[live].sort(-1).values.diff(dim=-1) > 0).all()
-    if shape[-1] > 100:
-        vals = logits[-1, 0].float()
-        tied = ids[-1, 0][vals[ids[-1, 0]] == vals[6]]
-        assert torch.equal(tied, tied.sort().values)
+    logits[-1, -1, : shape[-1] // 2] = float("-inf")
+    for k in (1, 4, 16):
+        lp, ids = du.draft_topk_logprobs(logits, k, backend="triton")
+        t_lp, t_ids = du.draft_topk_logprobs(logits, k, backend="torch")
+        assert torch.equal(ids, t_ids)
+        assert torch.equal(lp.isneginf(), t_lp.isneginf())
+        assert torch.allclose(lp, t_lp, atol=1e-5)
+        ref = torch.log_softmax(logits.double(), -1).gather(-1, ids)
+        live = torch.isfinite(ref)
+        assert torch.allclose(lp.double()[live], ref[live], atol=1e-4)
 
 
-def test_topk_kernels_reject_nan():
-    logits = torch.randn(1, 2, 100)
-    logits[0, 1, 3] = float("nan")
-    with pytest.raises(ValueError, match="NaN"):
-        du.draft_topk_logprobs(logits, 4, backend="triton")
-    lp, _ = du.draft_topk_logprobs(logits, 4, backend="triton", validate=False)
-    assert lp.shape == (1, 2, 4)
+def test_normaliser_kernel_rejects_nan_and_inf():
+    for bad in (float("nan"), float("inf")):
+        logits = torch.randn(1, 2, 100)
+        logits[0, 1, 3] = bad
+        with pytest.raises(ValueError, match="NaN"):
+            du.draft_topk_logprobs(logits, 4, backend="triton")

@@ -241,26 +241,23 @@ def test_triton_build_and_compile_replay_in_cuda_graph():
             assert torch.equal(a, b.cpu()), name
 
 
-@pytest.mark.parametrize("k", [1, 16, 64, 256])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_triton_topk_logprobs_equal_torch(k, dtype):
-    """The one-pass Triton top-k + normaliser against torch.topk + a float64 log-softmax."""
+@pytest.mark.parametrize("k", [1, 16, 64])
+def test_triton_normaliser_equals_torch(k):
+    """draft_topk_logprobs' default on CUDA (torch.topk + the Triton normaliser) against the
+    chunked torch normaliser and a float64 log-softmax; also replayed from a CUDA graph."""
     gen = torch.Generator().manual_seed(k)
-    logits = (torch.randn(5, 15, 151936, generator=gen) * 3).to(dtype)
+    logits = (torch.randn(5, 15, 151936, generator=gen) * 3).bfloat16()
     logits[0, 0] = float("-inf")
     logits[1, 2, 1000:] = float("-inf")
     x = logits.cuda()
-    lp, ids = du.draft_topk_logprobs(x, k, backend="triton")
+    lp, ids = du.draft_topk_logprobs(x, k)
     t_lp, t_ids = du.draft_topk_logprobs(x, k, backend="torch")
-    ref = torch.log_softmax(logits.double(), -1).topk(k, dim=-1).values
+    assert torch.equal(ids, t_ids)
+    assert torch.equal(lp.isneginf(), t_lp.isneginf())
+    assert torch.allclose(lp, t_lp, atol=1e-5)
+    ref = torch.log_softmax(logits.double(), -1).gather(-1, ids.cpu())
     live = torch.isfinite(ref)
-    assert torch.equal(torch.isneginf(lp.cpu()), ~live)
     assert torch.allclose(lp.cpu().double()[live], ref[live], atol=2e-4)
-    assert torch.allclose(lp, t_lp, atol=1e-5, equal_nan=True)
-    picked = logits.float().gather(-1, ids.cpu())
-    assert torch.equal(picked, logits.float().topk(k, dim=-1).values)
-    assert (ids.sort(-1).values.diff(dim=-1) > 0).all()
-    # in a CUDA graph, on new logits
     static = x.clone()
     du.draft_topk_logprobs(static, k, validate=False)
     graph = torch.cuda.CUDAGraph()
@@ -270,7 +267,3 @@ def test_triton_topk_logprobs_equal_torch(k, dtype):
     graph.replay()
     want_lp, want_ids = du.draft_topk_logprobs(x.flip(-1), k, validate=False)
     assert torch.equal(g_lp, want_lp) and torch.equal(g_ids, want_ids)
-    nan = x.clone()
-    nan[3, 4, 77] = float("nan")
-    with pytest.raises(ValueError, match="NaN"):
-        du.draft_topk_logprobs(nan, k, backend="triton")
