@@ -343,3 +343,27 @@ def test_local_push_and_rollbacks(bed, builds, site_cache, cli_env):
     assert [x["outcome"] for x in log] == ["done"] * 4 and log[0]["build_id"] == good.build_id
     r = run_cli(["rollback", "local", "--to", "no-such-release"], cli_env)
     assert r.returncode == 6 and "no-such-release" in r.stderr
+
+
+def test_rollback_that_cannot_heal_exits_7(bed, ct200_good, builds, cli_env, tmp_path):
+    """Exit 7: the automatic rollback restores the files byte for byte, but the service is still
+    not healthy afterwards. Made real with a health gate that no build can pass (it expects a
+    speculative algorithm the host's service does not run), as a mistyped inventory would."""
+    h = ct200_good
+    inv = tmp_path / "hosts.toml"
+    text = host_toml(bed["ssh"], h, bed["supervisor"], deadline=15, import_check=False)
+    assert f'expect_algorithm = "{h.algorithm}"' in text
+    inv.write_text(text.replace(f'expect_algorithm = "{h.algorithm}"', 'expect_algorithm = "EAGLE3"'))
+    before = tb.tree_digest(h.sglang)
+    r = run_cli(["push", "ct200", "-i", str(inv), "--build", str(builds["bad_service"].root), "--json"], cli_env)
+    assert r.returncode == 7, r.stderr
+    res = results(r)["ct200"]
+    assert res["code"] == 7 and not res["ok"]
+    assert "restored byte for byte" in res["message"] and "not healthy" in res["message"]
+    assert tb.tree_digest(h.sglang) == before
+    rec = json.loads((h.state / "releases" / sorted(releases(h))[-1] / "release.json").read_text())
+    assert rec["outcome"] == "rolled-back"
+    assert not (h.state / "lock").exists()
+    # with the right inventory the restored host is healthy again
+    st = json.loads(run_cli(["status", "ct200", "--json"], cli_env).stdout)
+    assert st["healthy"] and st["speculative_algorithm"] == h.algorithm
