@@ -1,0 +1,84 @@
+"""Compile ddtree_utils' Triton kernels ahead of time for an H100/H200 (sm_90) without a GPU.
+
+Run by tests/test_ddtree_utils_triton.py in a subprocess without TRITON_INTERPRET (the
+interpreter accepts code that the compiler may reject). Uses Triton's own compiler and the
+ptxas it ships; prints one line per specialisation and exits 1 if any fails.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import ddtree_utils as du  # noqa: E402
+
+
+def signature(fn, types: dict) -> dict:
+    """Triton's signature dict in argument order; constexpr arguments marked as such."""
+    return {name: types.get(name, "constexpr") for name in fn.arg_names}
+
+
+def compile_one(fn, types: dict, consts: dict, arch: int, warps: int) -> str:
+    sig = signature(fn, types)
+    names = list(sig)
+    src = ASTSource(
+        fn=fn,
+        signature=sig,
+        constexprs={(names.index(k),): v for k, v in consts.items()},
+    )
+    kernel = triton.compile(
+        src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps}
+    )
+    return f"{len(kernel.asm['cubin'])} bytes of cubin"
+
+
+BUILD = {"lp_ptr": "*fp32", "ids_ptr": "*i64", "pj_ptr": "*i32", "pr_ptr": "*i32",
+         "wsf_ptr": "*fp32", "wsi_ptr": "*i32", "wsk_ptr": "*i64", "tok_ptr": "*i64",
+         "par_ptr": "*i64", "dep_ptr": "*i64", "score_ptr": "*fp32", "valid_ptr": "*i8",
+         "L": "i32", "kk": "i32", "B": "i32", "P": "i32"}  # fmt: skip
+COMPILE = {"tok_ptr": "*i64", "par_ptr": "*i64", "dep_ptr": "*i64", "valid_ptr": "*i8",
+           "bonus_ptr": "*i64", "seq_ptr": "*i64", "ws_ptr": "*i32", "out_tok_ptr": "*i64",
+           "out_pos_ptr": "*i64", "out_par_ptr": "*i64", "out_dep_ptr": "*i64",
+           "out_next_ptr": "*i64", "out_sib_ptr": "*i64", "mask_ptr": "*i8", "B": "i32",
+           "STEPS": "i32"}  # fmt: skip
+SUMEXP = {"x_ptr": "*bf16", "shift_ptr": "*fp32", "out_ptr": "*fp32", "V": "i32",
+          "x_stride": "i32", "NC": "i32"}  # fmt: skip
+
+CASES = [
+    # (kernel, argument types, constexprs, warps): the block sizes the wrappers pick for B = 1, 15,
+    # 63 and 1023 (K = 16, L = 15), and the normaliser's chunk sizes
+    (du._ddtree_build_kernel, BUILD, {"BB": 2, "LB": 2, "PB": 2, "LOGK": 1}, 4),
+    (du._ddtree_build_kernel, BUILD, {"BB": 16, "LB": 16, "PB": 64, "LOGK": 5}, 4),
+    (du._ddtree_build_kernel, BUILD, {"BB": 64, "LB": 16, "PB": 256, "LOGK": 5}, 4),
+    (du._ddtree_build_kernel, BUILD, {"BB": 1024, "LB": 16, "PB": 8192, "LOGK": 5}, 16),
+    (du._ddtree_compile_kernel, COMPILE, {"NB": 2, "DB": 2, "RB": 2}, 4),
+    (du._ddtree_compile_kernel, COMPILE, {"NB": 64, "DB": 16, "RB": 64}, 4),
+    (du._ddtree_compile_kernel, COMPILE, {"NB": 1024, "DB": 16, "RB": 8}, 16),
+    (du._sumexp_partial_kernel, SUMEXP, {"CHUNK": 128}, 8),
+    (du._sumexp_partial_kernel, SUMEXP, {"CHUNK": 8192}, 8),
+]
+
+
+def main() -> int:
+    arch = int(sys.argv[1]) if len(sys.argv) > 1 else 90
+    failed = 0
+    for fn, types, consts, warps in CASES:
+        label = f"{fn.__name__} {consts}"
+        try:
+            print(
+                f"ok   {label}: {compile_one(fn, types, consts, arch, warps)}",
+                flush=True,
+            )
+        except Exception as exc:  # report every failing specialisation, then fail
+            failed += 1
+            print(f"FAIL {label}: {type(exc).__name__}: {exc}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
