@@ -870,7 +870,7 @@ def _build_tree_triton(lp: Tensor, ids: Tensor, budget: int) -> DDTree | None:
     """The fused kernel; ``lp [bs, L, kk]`` f32 contiguous (invalid rows already -inf, -0.0
     normalised), ``ids [bs, L, kk]`` int64. None when the sizes exceed what it is launched with."""
     bs, depth_limit, kk = lp.shape
-    # block sizes >= 2: single-element blocks are not reliably compiled by every Triton
+    # block sizes >= 2: no single-element blocks (padding lanes are masked)
     bb, lb = max(2, _pow2(budget)), max(2, _pow2(depth_limit))
     pj, pr = _pruned_grid(budget, kk, lp.device)
     pb = max(2, _pow2(pj.numel()))
