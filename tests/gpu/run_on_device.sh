@@ -4,6 +4,9 @@
 set -uo pipefail
 out=$1; shift
 root=$(cd "$(dirname "$0")/../.." && pwd)
+for f in "$root/.gpu/wheelhouse/sglang-site.tar.xz" "$root/.gpu/overlay/srt"; do
+  [ -e "$f" ] || { echo "missing $f: build it here and name .gpu in the run tool's carry" >&2; exit 2; }
+done
 mkdir -p /tmp/site "$out"
 if [ ! -d /tmp/site/sglang ]; then tar -xJf "$root/.gpu/wheelhouse/sglang-site.tar.xz" -C /tmp/site; fi
 cp -r "$root/.gpu/overlay/srt/." /tmp/site/sglang/srt/
