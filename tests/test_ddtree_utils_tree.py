@@ -66,19 +66,24 @@ def random_inputs(
     return du.draft_topk_logprobs(logits, k)
 
 
+# Small random tree problems (shared with the Triton kernel tests): few logit levels give exact
+# ties, p_ninf punches -inf holes, invalid_mask marks requests invalid, cap is topk_cap.
+TREE_CASES = {
+    "seed": st.integers(0, 2**31 - 1),
+    "bs": st.integers(1, 3),
+    "depth": st.integers(1, 4),
+    "vocab": st.integers(1, 5),
+    "k": st.integers(1, 6),
+    "budget": st.integers(1, 40),
+    "levels": st.integers(1, 4),
+    "p_ninf": st.sampled_from([0.0, 0.0, 0.3, 0.9]),
+    "cap": st.one_of(st.none(), st.integers(1, 4)),
+    "invalid_mask": st.integers(0, 7),
+}
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    seed=st.integers(0, 2**31 - 1),
-    bs=st.integers(1, 3),
-    depth=st.integers(1, 4),
-    vocab=st.integers(1, 5),
-    k=st.integers(1, 6),
-    budget=st.integers(1, 40),
-    levels=st.integers(1, 4),
-    p_ninf=st.sampled_from([0.0, 0.0, 0.3, 0.9]),
-    cap=st.one_of(st.none(), st.integers(1, 4)),
-    invalid_mask=st.integers(0, 7),
-)
+@given(**TREE_CASES)
 def test_builders_equal_brute_force(
     seed, bs, depth, vocab, k, budget, levels, p_ninf, cap, invalid_mask
 ):

@@ -17,7 +17,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_ddtree_utils_tree import assert_tree_matches_brute, random_inputs
+from test_ddtree_utils_tree import TREE_CASES, assert_tree_matches_brute, random_inputs
 
 import ddtree_utils as du
 
@@ -46,17 +46,8 @@ def check_compile(tree, depth, seed):
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    seed=st.integers(0, 2**31 - 1),
-    bs=st.integers(1, 3),
-    depth=st.integers(1, 4),
-    vocab=st.integers(1, 6),
-    k=st.integers(1, 6),
-    budget=st.integers(1, 24),
-    levels=st.integers(1, 4),
-    p_ninf=st.sampled_from([0.0, 0.0, 0.3, 0.9]),
-    cap=st.one_of(st.none(), st.integers(1, 4)),
-    invalid_mask=st.integers(0, 7),
-)
+    **{**TREE_CASES, "budget": st.integers(1, 24)}
+)  # smaller B: the interpreter is slow
 def test_kernels_equal_brute_force_and_reference(
     seed, bs, depth, vocab, k, budget, levels, p_ninf, cap, invalid_mask
 ):
