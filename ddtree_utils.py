@@ -853,17 +853,16 @@ def _triton_ok(device: torch.device, backend: str) -> bool:
     device under ``TRITON_INTERPRET=1`` (Triton's interpreter, used by the CPU tests)."""
     if backend not in ("auto", "torch", "triton"):
         raise ValueError(f"backend must be auto, torch or triton, got {backend!r}")
-    if backend == "torch" or triton is None:
-        usable = False
-    elif backend == "auto":
-        return device.type == "cuda"
-    else:
-        usable = device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
-    if backend == "triton" and not usable:
+    if backend == "torch":
+        return False
+    if backend == "auto":
+        return triton is not None and device.type == "cuda"
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if triton is None or not (device.type == "cuda" or interpreted):
         raise RuntimeError(
             "backend='triton' needs Triton and a CUDA tensor (or TRITON_INTERPRET=1)"
         )
-    return usable
+    return True
 
 
 def _build_tree_triton(lp: Tensor, ids: Tensor, budget: int) -> DDTree | None:
@@ -910,16 +909,18 @@ def _compile_tree_triton(
     outs = [torch.empty(bs, n, dtype=torch.int64, device=device) for _ in range(6)]
     mask = torch.empty(bs, n, n, dtype=torch.int8, device=device)
     ws = torch.empty(bs, 3 * nb + nb * db, dtype=torch.int32, device=device)
+    rows = max(
+        1, min(nb, 8192 // nb)
+    )  # mask rows per tile: tiles of about 8192 entries
     _ddtree_compile_kernel[(bs,)](
         tree.tokens.to(torch.int64).contiguous(),
         tree.parents.to(torch.int64).contiguous(),
         tree.depth.to(torch.int64).contiguous(),
-        tree.node_valid.to(torch.int8).contiguous(),
+        tree.node_valid.contiguous().view(torch.int8),  # bool -> int8 without a copy
         bonus.reshape(bs).to(device=device, dtype=torch.int64).contiguous(),
         seq_lens.reshape(bs).to(device=device, dtype=torch.int64).contiguous(),
         ws, *outs, mask, budget, bound,
-        NB=nb, DB=db, RB=max(1, min(nb, 8192 // nb)),
-        num_warps=_num_warps(nb * max(db, min(nb, 8192 // nb))),
+        NB=nb, DB=db, RB=rows, num_warps=_num_warps(nb * max(db, rows)),
     )  # fmt: skip
     return (*outs, mask.view(torch.bool))
 
