@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import platform
 import statistics
@@ -143,42 +144,32 @@ def bench_case(args, device, logits, budget, time_it) -> dict:
     bonus = torch.zeros(bs, dtype=torch.int64, device=device)
     seq_lens = torch.full((bs,), args.seq_len, dtype=torch.int64, device=device)
 
-    def build():
-        return du.build_tree(lp, ids, budget)
+    def build(backend="auto"):
+        return du.build_tree(lp, ids, budget, backend=backend)
 
-    def build_compile():
-        tree = du.build_tree(lp, ids, budget)
+    def build_compile(backend="auto"):
         return du.compile_tree(
-            tree, bonus, seq_lens, build_custom_mask=False, max_depth=depth
+            build(backend),
+            bonus,
+            seq_lens,
+            build_custom_mask=False,
+            max_depth=depth,
+            backend=backend,
         )
 
+    # the benchmarked builders must agree with the reference on these real inputs
+    ref = du.build_tree_reference(lp, ids, budget)
     row["build"] = time_it(build, reps)
     row["build_compile"] = time_it(build_compile, reps)
     for backend in args.backends:
-
-        def build_b(b=backend):
-            return du.build_tree(lp, ids, budget, backend=b)
-
-        def build_compile_b(b=backend):
-            tree = du.build_tree(lp, ids, budget, backend=b)
-            return du.compile_tree(
-                tree,
-                bonus,
-                seq_lens,
-                build_custom_mask=False,
-                max_depth=depth,
-                backend=b,
-            )
-
+        build_b = functools.partial(build, backend)
+        build_compile_b = functools.partial(build_compile, backend)
         row[f"build_{backend}"] = time_it(build_b, reps)
         row[f"build_compile_{backend}"] = time_it(build_compile_b, reps)
         if device.type == "cuda":
             row[f"graph_build_{backend}"] = time_it(capture(build_b), reps)
             row[f"graph_{backend}"] = time_it(capture(build_compile_b), reps)
-        row[f"exact_{backend}"] = all(
-            torch.equal(a, b)
-            for a, b in zip(du.build_tree_reference(lp, ids, budget), build_b())
-        )
+        row[f"exact_{backend}"] = all(torch.equal(a, b) for a, b in zip(ref, build_b()))
     compiled = build_compile()
     lens_cpu = [args.seq_len] * bs
     row["custom_mask"] = time_it(
@@ -196,9 +187,7 @@ def bench_case(args, device, logits, budget, time_it) -> dict:
     row["heap"] = time_it(lambda: du.build_tree_reference(lp, ids, budget), heap_reps)
     fast = row.get("graph", row["build_compile"])
     row["heap_over_fast"] = row["heap"] / fast
-    # the benchmarked builder must agree with the reference on these real inputs
-    ref, got = du.build_tree_reference(lp, ids, budget), build()
-    row["exact"] = all(torch.equal(a, b) for a, b in zip(ref, got)) and all(
+    row["exact"] = all(torch.equal(a, b) for a, b in zip(ref, build())) and all(
         row[f"exact_{b}"] for b in args.backends
     )
     return row
