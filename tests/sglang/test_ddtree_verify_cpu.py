@@ -103,6 +103,21 @@ def _target_logits(compiled, paths, bs, n, rng, gen):
     return logits, predict
 
 
+def _tree_paths_logits(m, seq_lens, budget, seed):
+    """A tree per request (all nodes valid), a random root-to-node path in each, and verify
+    logits whose argmax follows it: (compiled, max_depth, paths, logits, generator for further
+    draws)."""
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    bs, n = len(seq_lens), budget + 1
+    compiled, max_depth = _make_tree(m, bs, budget, seq_lens, seed)
+    paths = [
+        _random_path(compiled.parents[b].tolist(), [True] * n, rng, max_depth)
+        for b in range(bs)
+    ]
+    logits, _ = _target_logits(compiled, paths, bs, n, rng, gen)
+    return compiled, max_depth, paths, logits, gen
+
+
 def _setup(m, seq_lens, max_new):
     bs = len(seq_lens)
     pool = m.ReqToTokenPool(
@@ -252,16 +267,10 @@ def test_greedy_verify_matches_reference(m, budget, seed):
 
 def test_sampling_verify_with_one_hot_targets_follows_the_path(m):
     """top_k=1 makes the target distribution one-hot: sampling must accept the greedy path."""
-    rng, gen = random.Random(7), torch.Generator().manual_seed(7)
     seq_lens = [9, 30, 4]
     bs, budget = len(seq_lens), 31
     n = budget + 1
-    compiled, max_depth = _make_tree(m, bs, budget, seq_lens, 7)
-    paths = [
-        _random_path(compiled.parents[b].tolist(), [True] * n, rng, max_depth)
-        for b in range(bs)
-    ]
-    logits, _ = _target_logits(compiled, paths, bs, n, rng, gen)
+    compiled, max_depth, paths, logits, gen = _tree_paths_logits(m, seq_lens, budget, 7)
     batch = _setup(m, seq_lens, [64] * bs)
     batch.sampling_info = SimpleNamespace(
         is_all_greedy=False,
@@ -468,16 +477,12 @@ class _Rank0Group:
 def test_sampled_decision_is_taken_from_tp_rank0(m, monkeypatch):
     from sglang.srt.distributed import parallel_state
 
-    rng, gen = random.Random(11), torch.Generator().manual_seed(11)
     seq_lens = [12, 7]
     bs, budget = len(seq_lens), 15
     n = budget + 1
-    compiled, max_depth = _make_tree(m, bs, budget, seq_lens, 11)
-    paths = [
-        _random_path(compiled.parents[b].tolist(), [True] * n, rng, max_depth)
-        for b in range(bs)
-    ]
-    logits, _ = _target_logits(compiled, paths, bs, n, rng, gen)
+    compiled, max_depth, paths, logits, gen = _tree_paths_logits(
+        m, seq_lens, budget, 11
+    )
     # Rank 0 accepted nothing and drew bonus tokens 5 and 6.
     rank0_index = torch.full((bs, max_depth + 1), -1, dtype=torch.int64)
     rank0_index[:, 0] = 0
