@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from checks import sglang_smoke
+from deploy import buildinfo
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -72,6 +73,7 @@ def test_overlay_never_writes_through_hard_links(tmp_path):
     (build / "srt/speculative").mkdir(parents=True)
     (build / "srt/speculative/spec_info.py").write_text("PATCHED = True\n")
     (build / "srt/speculative/ddtree_utils.py").write_text("NEW = True\n")
+    assert sglang_smoke.METADATA_NAMES == buildinfo.METADATA_NAMES  # the two copies agree
     for name in sglang_smoke.METADATA_NAMES:  # build metadata must not land in the package
         (build / name).write_text("{}")
 
