@@ -18,43 +18,47 @@ help:
 setup:
 	scripts/setup_env.sh $(VENV)
 
-patch:
+# A fresh checkout has no venv yet: the commands below create it first (`make setup` redoes it).
+$(PY):
+	scripts/setup_env.sh $(VENV)
+
+patch: $(PY)
 	$(CLI) patch
 
-check:
+check: $(PY)
 	$(CLI) check
 
-series:
+series: $(PY)
 	$(CLI) series
 
-test:
+test: $(PY)
 	$(PY) -m pytest -q tests
 
-test-gpu:
+test-gpu: $(PY)
 	$(PY) -m pytest -q -m gpu tests/gpu
 
-push:
+push: $(PY)
 	@test -n "$(HOST)" || { echo "usage: make push HOST=<name>" >&2; exit 2; }
 	$(CLI) push $(HOST)
 
-plan:
+plan: $(PY)
 	@test -n "$(HOST)" || { echo "usage: make plan HOST=<name>" >&2; exit 2; }
 	$(CLI) plan $(HOST)
 
-status:
+status: $(PY)
 	@test -n "$(HOST)" || { echo "usage: make status HOST=<name>" >&2; exit 2; }
 	$(CLI) status $(HOST)
 
-rollback:
+rollback: $(PY)
 	@test -n "$(HOST)" || { echo "usage: make rollback HOST=<name> [TO=<release>|pristine]" >&2; exit 2; }
 	$(CLI) rollback $(HOST) $(if $(TO),--to $(TO),)
 
-bench:
+bench: $(PY)
 	$(PY) bench/tree_build.py
 
 clean:
 	rm -rf build
 
-refresh:
+refresh: $(PY)
 	@test -n "$(PATCH)" || { echo "usage: make refresh PATCH=<NNNN-name.patch>" >&2; exit 2; }
 	$(CLI) refresh $(PATCH)
