@@ -164,3 +164,16 @@ def test_kernels_compile_for_sm90(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert proc.stdout.count("ok   ") == 9, proc.stdout
+
+
+def test_forced_triton_without_cuda_or_interpreter_is_refused(monkeypatch):
+    lp, ids = du.draft_topk_logprobs(torch.randn(1, 3, 10), 4)
+    before = (lp.clone(), ids.clone())
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match=r"backend='triton' needs Triton and a CUDA"):
+        du.build_tree(lp, ids, 4, backend="triton")
+    with pytest.raises(RuntimeError, match=r"backend='triton' needs Triton and a CUDA"):
+        du.draft_topk_logprobs(torch.randn(1, 3, 10), 4, backend="triton")
+    assert torch.equal(lp, before[0]) and torch.equal(
+        ids, before[1]
+    )  # inputs untouched
