@@ -37,7 +37,8 @@ from deploy.series import (
 )
 
 REPO_ROOT = snap.REPO_ROOT
-PATCHES_DIR = REPO_ROOT / "patches"
+PATCHES_ROOT = REPO_ROOT / "patches"  # one series per pin: patches/<version>/series
+PATCHES_DIR = PATCHES_ROOT / snap.PINNED_VERSION
 BUILD_ROOT = REPO_ROOT / "build"
 DDTREE_UTILS = REPO_ROOT / "ddtree_utils.py"
 LOCK_NAME = ".build.lock"

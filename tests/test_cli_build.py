@@ -12,6 +12,7 @@ from deploy.build import build
 from deploy.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, ConfigError
 from deploy.refresh import refresh
 from deploy.series import check_header, load_series, parse_header, split_header
+from deploy.snapshot import PINNED_VERSION
 
 MOD = "srt/speculative/mod.py"
 FAST = ["--skip", "6", "--skip", "7"]  # gate 6 would run the real sglang smoke; gate 7 the repo's tests
@@ -182,7 +183,7 @@ def test_defaults_are_the_repository_directories(ddtree, tmp_path):
     """Run from another directory with no path options: the repository's series and snapshot."""
     r = ddtree("series", "--json", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    assert [p["patch"] for p in json.loads(r.stdout)["patches"]] == load_series(REPO_ROOT / "patches").names
+    assert [p["patch"] for p in json.loads(r.stdout)["patches"]] == load_series(REPO_ROOT / "patches" / PINNED_VERSION).names
     r = ddtree("snapshot", "verify", "--json", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["problems"] == []

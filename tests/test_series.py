@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from deploy.errors import EXIT_PATCH, EXIT_USAGE, ConfigError, PatchApplyError
+from deploy.snapshot import PINNED_VERSION
 from deploy.series import (
     apply_patch,
     check_header,
@@ -41,7 +42,7 @@ def test_series_with_comments_blank_lines_and_real_repo(patched_project):
     assert s.names == ["0001-alpha-gamma.patch", "0002-beta-other.patch"]
     assert [e.line for e in s.entries] == [3, 5]
     assert s.index_of("0002") == 1 and s.index_of("0001-alpha-gamma") == 0
-    real = load_series(REPO_ROOT / "patches")  # the repository's own series parses
+    real = load_series(REPO_ROOT / "patches" / PINNED_VERSION)  # the repository's own series parses
     assert all(e.path.is_file() for e in real.entries)
 
 

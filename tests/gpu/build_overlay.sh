@@ -1,19 +1,21 @@
 #!/bin/bash
-# Build the patched sglang files (snapshot + patches/series + ddtree_utils.py, as committed at
-# REV, default HEAD) into OUT/srt, ready to be copied over an installed sglang package:
+# Build the patched sglang files of one pin (snapshot/sglang-PIN + patches/PIN/series +
+# ddtree_utils.py, as committed at REV, default HEAD) into OUT/srt, ready to be copied over an
+# installed sglang package of that version:
 #   cp -r OUT/srt/. SITE/sglang/srt/
-# Usage: tests/gpu/build_overlay.sh [OUT] [REV]
+# Usage: [PIN=0.5.13.post1] tests/gpu/build_overlay.sh [OUT] [REV]
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 out=${1:-$root/.gpu/overlay}
 rev=${2:-HEAD}
+pin=${PIN:-0.5.13.post1}
 src=$(mktemp -d); trap 'rm -rf "$src"' EXIT
 git -C "$root" archive "$rev" snapshot patches ddtree_utils.py | tar -x -C "$src"
 rm -rf "$out"; mkdir -p "$out"
-cp -r "$src/snapshot/sglang-0.5.13.post1/srt" "$out/"
-grep -v '^\s*#' "$src/patches/series" | grep -v '^\s*$' | while read -r p; do
-  (cd "$out" && patch -p1 -s --no-backup-if-mismatch -F0 < "$src/patches/$p")
+cp -r "$src/snapshot/sglang-$pin/srt" "$out/"
+grep -v '^\s*#' "$src/patches/$pin/series" | grep -v '^\s*$' | while read -r p; do
+  (cd "$out" && patch -p1 -s --no-backup-if-mismatch -F0 < "$src/patches/$pin/$p")
 done
 cp "$src/ddtree_utils.py" "$out/srt/speculative/ddtree_utils.py"
 git -C "$root" rev-parse "$rev" > "$out/BUILD-REV"
-echo "overlay: $out ($(cat "$out/BUILD-REV"))"
+echo "overlay: $out (sglang $pin, $(cat "$out/BUILD-REV"))"
