@@ -51,6 +51,11 @@ def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, dtype: torch.dt
     return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
 
 
+def expand_kv(x: Tensor, n_rep: int) -> Tensor:
+    """[b, nkv, t, hd] -> [b, nkv * n_rep, t, hd]: query head h uses kv head h // n_rep (HF repeat_kv)."""
+    return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
+
+
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x [b, h, t, hd]: x * cos + rotate_half(x) * sin."""
     x1, x2 = x.chunk(2, dim=-1)
@@ -158,10 +163,12 @@ class Qwen3Target(nn.Module):
                 kc[:, :, pos0 : pos0 + t] = k.to(kc.dtype)
                 vc[:, :, pos0 : pos0 + t] = v.to(vc.dtype)
                 k, v = kc[:, :, : pos0 + t], vc[:, :, : pos0 + t]
+            rep = a.nh // a.nkv
+            k, v = expand_kv(k.to(q.dtype), rep), expand_kv(v.to(q.dtype), rep)
             if t == 1:
-                o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), enable_gqa=True)
+                o = F.scaled_dot_product_attention(q, k, v)
             elif pos0 == 0:
-                o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), is_causal=True, enable_gqa=True)
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             else:
                 raise ValueError("multi-token forward with pos0 > 0 is not needed here")
             x = x + a.out(o)
@@ -236,9 +243,10 @@ class DFlashDrafter(nn.Module):
             kb = apply_rope(kb, cos_b, sin_b)
             kc, vc = a.kv(ctx)
             kc = apply_rope(kc, cos_c, sin_c)
-            k = torch.cat([kc.to(q.dtype), kb.to(q.dtype)], dim=2)
-            v = torch.cat([vc.to(q.dtype), vb.to(q.dtype)], dim=2)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True)
+            rep = a.nh // a.nkv
+            k = expand_kv(torch.cat([kc.to(q.dtype), kb.to(q.dtype)], dim=2), rep)
+            v = expand_kv(torch.cat([vc.to(q.dtype), vb.to(q.dtype)], dim=2), rep)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=m)
             h = h + a.out(o)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.norm(h)
