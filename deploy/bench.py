@@ -341,8 +341,10 @@ def plot(doc: dict, path: Path | str, title: str | None = None) -> Path:
             ax2.plot(xs, [a if a is not None else float("nan") for a in acc], marker="o", label=name)
         else:
             ax2.plot(xs, [1.0] * len(xs), linestyle=":", label=f"{name} (no speculation)")
+    concs = sorted({x["concurrency"] for s in doc["servers"] for x in s["levels"]})
     for ax, yl in ((ax1, "output tokens/s"), (ax2, "mean acceptance length (tokens/round)")):
         ax.set_xscale("log", base=2)
+        ax.set_xticks(concs, [str(c) for c in concs])
         ax.set_xlabel("concurrency")
         ax.set_ylabel(yl)
         ax.grid(True, alpha=0.3)
