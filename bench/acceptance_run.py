@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -197,6 +198,8 @@ def main() -> int:
     servers = [Server(n, e, a.port_base + i, pair, logdir, a.backend, a.common) for i, (n, e) in enumerate(cfgs)]
     train_rc = 0
     if a.pair is None:
+        if pair.exists():  # a warm machine may hold an earlier run's pair (and its TARGET_READY)
+            shutil.rmtree(pair)
         cmd = [sys.executable, str(ROOT / "bench" / "train_tiny_pair.py"), "--out", str(pair), *shlex.split(a.train_args)]
         log("train: " + " ".join(cmd))
         tp = subprocess.Popen(cmd, stdout=open(logdir / "train.log", "w"), stderr=subprocess.STDOUT)
@@ -275,8 +278,9 @@ def main() -> int:
         (a.out / "table.md").write_text(table_md(doc, offline, temps, budgets))
         try:
             B.plot(doc, a.out / "plot.png", title="tiny stdlib pair: plain / DFLASH / DDTREE")
-        except ImportError:
-            log("matplotlib not importable here: render the plot with ddtree-deploy bench --from-json results.json --plot plot.png")
+        except Exception as exc:  # ImportError without matplotlib; the numbers are written already
+            log(f"no plot ({type(exc).__name__}: {exc}): render it with "
+                "ddtree-deploy bench --from-json results.json --plot plot.png")
         print((a.out / "table.md").read_text())
     finally:
         for s in servers:
