@@ -313,6 +313,43 @@ def train_drafter(a, ctx: Ctx, cfg: dict, target, seqs: torch.Tensor, deadline: 
                      "seconds": round(time.time() - t0, 1)}
 
 
+def tree_accepted_depth(tree, truth: torch.Tensor) -> torch.Tensor:
+    """Greedy acceptance of a draft tree against known target tokens.
+
+    tree: ddtree_utils.DDTree with [n, B] fields; truth [n, L] = the target's tokens after the
+    root. Returns [n] int64: the depth of the deepest node whose root path equals truth[:depth]
+    (0 = nothing accepted), which is what greedy tree verification commits besides the bonus."""
+    depth = tree.depth
+    L = truth.shape[1]
+    want = torch.gather(truth, 1, (depth - 1).clamp(0, L - 1))
+    ok = tree.node_valid & (tree.tokens == want)
+    matched = torch.zeros_like(ok)
+    for j in range(ok.shape[1]):  # parents precede children
+        par = tree.parents[:, j]
+        par_ok = torch.where(par == 0, torch.ones_like(ok[:, j]),
+                             matched.gather(1, (par - 1).clamp_min(0)[:, None])[:, 0])
+        matched[:, j] = ok[:, j] & par_ok
+    return torch.where(matched, depth, torch.zeros_like(depth)).max(-1).values
+
+
+def walk_rounds(acc_len: torch.Tensor, pred: torch.Tensor) -> tuple[float, float, int]:
+    """Rounds of speculative decoding along a known continuation.
+
+    acc_len / pred [b, A]: accepted draft tokens and predicted acceptance of the block anchored
+    at each position (index 0 = first generated token). From anchor 0, a round commits
+    acc_len + 1 tokens and moves the anchor by that much, until it leaves the A anchors.
+    Returns (mean tokens per round, mean predicted tokens per round, rounds)."""
+    acc_l, pred_l = acc_len.tolist(), pred.tolist()
+    taus, preds = [], []
+    for r in range(len(acc_l)):
+        i = 0
+        while i < len(acc_l[r]):
+            taus.append(acc_l[r][i] + 1)
+            preds.append(pred_l[r][i])
+            i += acc_l[r][i] + 1
+    return sum(taus) / len(taus), sum(preds) / len(preds), len(taus)
+
+
 # ---------------------------------------------------------------- offline acceptance
 @torch.no_grad()
 def offline_acceptance(a, ctx: Ctx, target, drafter, z: torch.Tensor, p_len: int, budgets: list[int]) -> dict:
@@ -350,40 +387,21 @@ def offline_acceptance(a, ctx: Ctx, target, drafter, z: torch.Tensor, p_len: int
     pos = anchors_all[None, :, None] + torch.arange(1, L + 1, device=ctx.device)
     truth = torch.gather(z, 1, pos.reshape(1, -1).expand(b, -1)).view(b, A, L)
 
-    def walk(acc_len: torch.Tensor, pred: torch.Tensor) -> tuple[float, float, int]:
-        acc_l, pred_l = acc_len.tolist(), pred.tolist()
-        taus, preds = [], []
-        for r in range(b):
-            i = 0
-            while i < A:
-                taus.append(acc_l[r][i] + 1)
-                preds.append(pred_l[r][i])
-                i += acc_l[r][i] + 1
-        return sum(taus) / len(taus), sum(preds) / len(preds), len(taus)
-
     res = {"prompts": b, "prompt_len": p_len, "gen_len": s - p_len, "block_size": bsz}
     # DFLASH chain: top-1 per slot, accepted while equal to the target's greedy tokens
     hit = (tid[..., 0] == truth).long()
     chain_acc = hit.cumprod(-1).sum(-1)
     chain_pred = 1.0 + lp[..., 0].cumsum(-1).exp().sum(-1)
-    m, p, n = walk(chain_acc, chain_pred)
+    m, p, n = walk_rounds(chain_acc, chain_pred)
     res["dflash"] = {"measured_accept": round(m, 4), "predicted_accept": round(p, 4), "rounds": n,
                      "slot_top1_acc": [round(x, 4) for x in hit.float().mean((0, 1)).tolist()]}
     flat_lp, flat_id = lp.reshape(b * A, L, kk), tid.reshape(b * A, L, kk)
     flat_truth = truth.reshape(b * A, L)
     for budget in budgets:
         tree = du.build_tree(flat_lp, flat_id, budget, topk_cap=min(budget, 16))
-        depth = tree.depth
-        want = torch.gather(flat_truth, 1, (depth - 1).clamp(0, L - 1))
-        ok = tree.node_valid & (tree.tokens == want)
-        matched = torch.zeros_like(ok)
-        for j in range(budget):  # parents precede children
-            par = tree.parents[:, j]
-            par_ok = torch.where(par == 0, torch.ones_like(ok[:, j]), matched.gather(1, (par - 1).clamp_min(0)[:, None])[:, 0])
-            matched[:, j] = ok[:, j] & par_ok
-        acc_len = torch.where(matched, depth, torch.zeros_like(depth)).max(-1).values.view(b, A)
+        acc_len = tree_accepted_depth(tree, flat_truth).view(b, A)
         pred = (1.0 + torch.where(tree.node_valid, tree.score.exp(), torch.zeros_like(tree.score)).sum(-1)).view(b, A)
-        m, p, n = walk(acc_len, pred)
+        m, p, n = walk_rounds(acc_len, pred)
         res[f"ddtree_b{budget}"] = {"measured_accept": round(m, 4), "predicted_accept": round(p, 4), "rounds": n}
     return res
 

@@ -177,3 +177,42 @@ def test_drafter_loads_into_sglang_dflash_draft_model(pair):
     from safetensors.torch import load_file
 
     assert set(load_file(str(pair / "draft" / "model.safetensors"))) == {s for v in res["params"].values() for s in v["from"]}
+
+
+def test_offline_tree_acceptance_equals_brute_force():
+    """tree_accepted_depth: the longest prefix of the target's tokens that is a root path of the
+    tree, checked against the set of all node paths built from parents, on random trees."""
+    import ddtree_utils as du
+
+    g = torch.Generator().manual_seed(7)
+    n, L, K = 64, 6, 4
+    logits = torch.randn(n, L, 12, generator=g) * 2
+    lp, ids = du.draft_topk_logprobs(logits, K, backend="torch")
+    # truths that follow the drafter's top choices for a while, then diverge
+    truth = torch.randint(0, 12, (n, L), generator=g)
+    follow = torch.randint(0, L + 1, (n,), generator=g)
+    for r in range(n):
+        for d in range(int(follow[r])):
+            truth[r, d] = ids[r, d, int(torch.randint(0, 2, (1,), generator=g))]
+    for budget in (1, 5, 17):
+        tree = du.build_tree_reference(lp, ids, budget)
+        got = ttp.tree_accepted_depth(tree, truth)
+        for r in range(n):
+            paths = {(): True}
+            node_path = {0: ()}
+            for j in range(budget):
+                if tree.node_valid[r, j]:
+                    node_path[j + 1] = node_path[int(tree.parents[r, j])] + (int(tree.tokens[r, j]),)
+                    paths[node_path[j + 1]] = True
+            want = max(d for d in range(L + 1) if tuple(truth[r, :d].tolist()) in paths)
+            assert int(got[r]) == want, (budget, r)
+
+
+def test_walk_rounds_follows_the_commits():
+    acc = torch.tensor([[2, 9, 9, 0, 1, 9, 9], [0, 0, 6, 9, 9, 9, 9]])
+    pred = torch.arange(14, dtype=torch.float32).view(2, 7)
+    tau, p, n = ttp.walk_rounds(acc, pred)
+    # row 0 visits anchors 0 (3 tokens), 3 (1), 4 (2), 6 (10); row 1: 0, 1, 2 (7)
+    taus = [3, 1, 2, 10, 1, 1, 7]
+    preds = [0, 3, 4, 6, 7, 8, 9]
+    assert n == len(taus) and tau == pytest.approx(sum(taus) / len(taus)) and p == pytest.approx(sum(preds) / len(preds))
