@@ -6,7 +6,7 @@ CLI := $(VENV)/bin/ddtree-deploy
 HOST ?=
 TO ?=
 
-.PHONY: refresh setup patch check test test-gpu series push plan status rollback bench clean help
+.PHONY: refresh setup patch check test test-gpu series push plan status rollback bench bench-serve clean help
 
 help:
 	@echo "make setup      create $(VENV) and install the project, its tests and the SGLang test environment"
@@ -14,6 +14,7 @@ help:
 	@echo "make check      run the quality gates on the current build"
 	@echo "make test       run the test suite"
 	@echo "make push HOST=ct200 | make plan HOST=ct200 | make status HOST=ct200 | make rollback HOST=ct200 [TO=<release>|pristine]"
+	@echo "make bench-serve URL='http://127.0.0.1:30000 ct200' PROMPTS=prompts.jsonl [ARGS='--concurrency 1,4 --plot b.png']"
 
 setup:
 	scripts/setup_env.sh $(VENV)
@@ -55,6 +56,11 @@ rollback: $(PY)
 
 bench: $(PY)
 	$(PY) bench/tree_build.py
+
+# Serving benchmark against live servers (URLs or inventory host names): ddtree-deploy bench.
+bench-serve: $(PY)
+	@test -n "$(URL)" -a -n "$(PROMPTS)" || { echo "usage: make bench-serve URL='<url|host> ...' PROMPTS=<file.jsonl> [ARGS='...']" >&2; exit 2; }
+	$(CLI) bench $(URL) --prompts $(PROMPTS) $(ARGS)
 
 clean:
 	rm -rf build

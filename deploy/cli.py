@@ -28,6 +28,7 @@ app = typer.Typer(
 def _register() -> None:
     # Imported for their side effect of adding commands to `app`.
     import deploy.cli_build  # noqa: F401
+    import deploy.cli_bench  # noqa: F401
     try:
         import deploy.cli_remote  # noqa: F401
     except ModuleNotFoundError as exc:  # remote commands not built yet in this checkout

@@ -1,0 +1,303 @@
+#!/usr/bin/env python3
+"""Acceptance and throughput of the tiny trained pair under real SGLang, in one GPU call.
+
+    python3 bench/acceptance_run.py --out OUT [--pair DIR] [--budgets 15,63,255]
+
+(bench/acceptance_run.sh installs the offline SGLang archive and the overlay first.)
+
+1. Trains the pair with bench/train_tiny_pair.py into /tmp/tiny-pair (or reuses ``--pair DIR``
+   holding target/, draft/, prompts.jsonl, eval.json); the plain server starts as soon as the
+   target is saved, while the drafter trains.
+2. Starts, in parallel on their own ports: the plain target, DFLASH, and DDTREE at each budget
+   (``--skip-tokenizer-init``, token ids in and out, HF_HUB_OFFLINE=1).
+3. Greedy check: the same 8 held-out prompts x 64 tokens must give the plain target's tokens on
+   every speculative server (lossless).
+4. Measures each server alone (the others idle), greedy and T = 1, at every concurrency, with
+   deploy/bench.py (the code behind ``ddtree-deploy bench``) on the held-out prompts.
+5. Writes OUT/results.json (the ``ddtree-deploy bench --json`` schema, one server entry per
+   configuration and temperature, plus ``offline`` = the training script's eval.json, ``train``
+   and ``exactness``), OUT/table.md (mean acceptance, tokens/s, speedup over plain, predicted vs
+   measured acceptance per budget), OUT/plot.png when matplotlib is importable (else render it
+   anywhere with ``ddtree-deploy bench --from-json results.json --plot plot.png``),
+   OUT/pair.tgz (the trained pair, for reuse with --pair) and OUT/logs.tgz.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from deploy import bench as B  # noqa: E402
+
+COMMON = ("--skip-tokenizer-init --dtype bfloat16 --sampling-backend pytorch --disable-piecewise-cuda-graph "
+          "--grammar-backend none --mem-fraction-static 0.85 --max-total-tokens 65536 --cuda-graph-max-bs 32 "
+          "--max-running-requests 32 --random-seed 0")
+
+
+def log(msg: str) -> None:
+    print(f"[acceptance_run {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def configs(budgets: list[int]) -> list[tuple[str, str]]:
+    out = [("plain", ""), ("DFLASH", "--speculative-algorithm DFLASH --speculative-draft-model-path {draft}")]
+    for b in budgets:
+        out.append((f"DDTREE b{b}", "--speculative-algorithm DDTREE --speculative-draft-model-path {draft} "
+                    f"--speculative-ddtree-budget {b}"))
+    return out
+
+
+class Server:
+    def __init__(self, name: str, extra: str, port: int, pair: Path, logdir: Path, backend: str, common: str):
+        self.name, self.port = name, port
+        self.url = f"http://127.0.0.1:{port}"
+        self.cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(pair / "target"),
+                    "--host", "127.0.0.1", "--port", str(port), "--attention-backend", backend,
+                    *shlex.split(common), *shlex.split(extra.format(draft=pair / "draft"))]
+        self.logpath = logdir / (name.replace(" ", "-") + ".log")
+        self.proc: subprocess.Popen | None = None
+        self.t0 = 0.0
+        self.startup_s: float | None = None
+        self.error: str | None = None
+
+    def start(self) -> None:
+        self.t0 = time.time()
+        log(f"start {self.name}: {' '.join(self.cmd)}")
+        self.proc = subprocess.Popen(self.cmd, stdout=open(self.logpath, "w"), stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    def poll_ready(self) -> bool:
+        """True once /health answers; sets error if the process died."""
+        if self.startup_s is not None or self.error:
+            return True
+        if self.proc.poll() is not None:
+            self.error = f"server exited with {self.proc.returncode} (see {self.logpath.name})"
+            return True
+        try:
+            urllib.request.urlopen(self.url + "/health", timeout=2)
+            self.startup_s = round(time.time() - self.t0, 1)
+            log(f"{self.name} ready after {self.startup_s} s")
+            return True
+        except Exception:
+            return False
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+def post(url: str, body: dict, timeout: float = 300) -> object:
+    req = urllib.request.Request(url + "/generate", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def wait_ready(servers: list[Server], deadline: float) -> None:
+    pending = list(servers)
+    while pending and time.time() < deadline:
+        pending = [s for s in pending if not s.poll_ready()]
+        time.sleep(1)
+    for s in pending:
+        s.error = "not ready before the deadline"
+
+
+def table_md(doc: dict, offline: dict | None, temps: list[float], budgets: list[int]) -> str:
+    lines = []
+    by = {(s["label"], s["group"]): s for s in doc["servers"]}
+    for t in temps:
+        g = f"T={t:g}"
+        concs = sorted({lv["concurrency"] for s in doc["servers"] if s["group"] == g for lv in s["levels"]})
+        if not concs:
+            continue
+        lines.append(f"### {g}\n")
+        head = "| config | mean accept |" + "".join(f" tok/s c={c} | speedup c={c} |" for c in concs)
+        lines += [head, "|---|---|" + "---|---|" * len(concs)]
+        plain = by.get(("plain", g))
+        for s in [x for x in doc["servers"] if x["group"] == g]:
+            lv = {x["concurrency"]: x for x in s["levels"]}
+            acc = [x["accept_length"] for x in s["levels"] if x.get("accept_length") is not None]
+            row = f"| {s['label']} | {sum(acc) / len(acc):.2f} |" if acc else f"| {s['label']} | - |"
+            for c in concs:
+                tps = lv.get(c, {}).get("output_tokens_per_s")
+                base = plain and {x["concurrency"]: x for x in plain["levels"]}.get(c, {}).get("output_tokens_per_s")
+                row += f" {tps:.0f} |" if tps else " - |"
+                row += f" {tps / base:.2f}x |" if tps and base else " - |"
+            lines.append(row)
+        lines.append("")
+    exact = doc.get("exactness_vs_first") or {}
+    if exact:
+        cells = [f"{k} {sum(v)}/{len(v)}" if isinstance(v, list) else f"{k} {v}" for k, v in exact.items()]
+        lines.append("Greedy outputs (8 held-out prompts x 64 tokens) equal to the plain target's: " + ", ".join(cells) + "\n")
+    if offline:
+        lines.append("### Predicted vs measured acceptance (tokens per round)\n")
+        lines.append("| config | offline greedy (walk of the target's greedy text) | predicted by the drafter "
+                     "(1 + sum of node probabilities) | server T=0 | server T=1 |")
+        lines.append("|---|---|---|---|---|")
+        for key, label in [("dflash", "DFLASH")] + [(f"ddtree_b{b}", f"DDTREE b{b}") for b in budgets]:
+            o = offline.get(key) or {}
+            cells = []
+            for t in temps:
+                s = by.get((label, f"T={t:g}"))
+                acc = [x["accept_length"] for x in (s or {}).get("levels", []) if x.get("accept_length") is not None]
+                cells.append(f"{sum(acc) / len(acc):.2f}" if acc else "-")
+            lines.append(f"| {label} | {o.get('measured_accept', '-')} | {o.get('predicted_accept', '-')} | "
+                         + " | ".join(cells) + " |")
+        lines.append("")
+        lines.append("Server acceptance is SGLang's completion_tokens / spec_verify_ct (it counts the prefill's "
+                     "token, so it reads slightly above tokens per round); offline figures count rounds whose "
+                     "whole block fits in the held-out prompts' greedy continuation.")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--pair", type=Path, default=None, help="reuse a trained pair (target/, draft/, prompts.jsonl)")
+    ap.add_argument("--pair-dir", type=Path, default=Path("/tmp/tiny-pair"))
+    ap.add_argument("--train-args", default="--time-limit 270", help="extra arguments for train_tiny_pair.py")
+    ap.add_argument("--budgets", default="15,63,255")
+    ap.add_argument("--concurrency", default="1,4,16,32")
+    ap.add_argument("--temperatures", default="0,1")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--requests", type=int, default=None, help="requests per level (default max(8, 2 x concurrency))")
+    ap.add_argument("--backend", default="triton")
+    ap.add_argument("--common", default=COMMON)
+    ap.add_argument("--port-base", type=int, default=31000)
+    ap.add_argument("--budget-s", type=float, default=540.0, help="whole-run deadline; levels left are skipped")
+    a = ap.parse_args()
+    t_start = time.time()
+    deadline = t_start + a.budget_s
+    a.out.mkdir(parents=True, exist_ok=True)
+    logdir = Path("/tmp/acceptance-logs")
+    logdir.mkdir(parents=True, exist_ok=True)
+    for old in logdir.glob("*.log"):
+        old.unlink()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    budgets = [int(x) for x in a.budgets.split(",") if x]
+    temps = [float(x) for x in a.temperatures.split(",") if x]
+    levels = B.parse_concurrency(a.concurrency)
+    cfgs = configs(budgets)
+
+    pair = a.pair or a.pair_dir
+    servers = [Server(n, e, a.port_base + i, pair, logdir, a.backend, a.common) for i, (n, e) in enumerate(cfgs)]
+    train_rc = 0
+    if a.pair is None:
+        if pair.exists():  # a warm machine may hold an earlier run's pair (and its TARGET_READY)
+            shutil.rmtree(pair)
+        cmd = [sys.executable, str(ROOT / "bench" / "train_tiny_pair.py"), "--out", str(pair), *shlex.split(a.train_args)]
+        log("train: " + " ".join(cmd))
+        tp = subprocess.Popen(cmd, stdout=open(logdir / "train.log", "w"), stderr=subprocess.STDOUT)
+        started_plain = False
+        while tp.poll() is None:
+            if not started_plain and (pair / "TARGET_READY").exists():
+                servers[0].start()  # the plain server comes up while the drafter trains
+                started_plain = True
+            time.sleep(1)
+        train_rc = tp.returncode
+        log(f"training finished rc={train_rc} after {time.time() - t_start:.0f} s")
+        if train_rc != 0:
+            for s in servers:
+                s.stop()
+            (a.out / "results.json").write_text(json.dumps({"ok": False, "error": f"training failed rc={train_rc}"}) + "\n")
+            with tarfile.open(a.out / "logs.tgz", "w:gz") as tf:
+                tf.add(logdir, arcname="logs")
+            return 1
+    for s in servers:
+        if s.proc is None:
+            s.start()
+    exact: dict = {}
+    try:
+        wait_ready(servers, min(deadline, time.time() + 420))
+        prompts = B.load_prompts(pair / "prompts.jsonl")
+        offline = json.loads((pair / "eval.json").read_text()) if (pair / "eval.json").exists() else None
+        train = json.loads((pair / "train_log.json").read_text()) if (pair / "train_log.json").exists() else None
+        live = [s for s in servers if s.startup_s is not None]
+        # warm-up (untimed): batch 32 at each temperature, then the greedy exactness check
+        for s in live:
+            for t in temps:
+                try:
+                    post(s.url, {"input_ids": [p["input_ids"] for p in prompts[:32]],
+                                 "sampling_params": {"max_new_tokens": 16, "temperature": t, "ignore_eos": True}})
+                except Exception as exc:  # recorded, the server is then measured anyway
+                    s.error = f"warm-up failed: {exc}"
+        ref = None
+        for s in live:
+            try:
+                outs = post(s.url, {"input_ids": [p["input_ids"] for p in prompts[:8]],
+                                    "sampling_params": {"max_new_tokens": 64, "temperature": 0, "ignore_eos": True}})
+                ids = [o["output_ids"] for o in outs]
+                if ref is None:
+                    ref = ids
+                exact[s.name] = [x == y for x, y in zip(ids, ref)]
+            except Exception as exc:
+                exact[s.name] = f"error: {exc}"
+        log(f"greedy outputs equal to the first server's ({live[0].name if live else '-'}): {exact}")
+        results: list[B.ServerResult] = []
+        skipped: list[str] = []
+        for t in temps:
+            samp = B.Sampling(max_new_tokens=a.max_new_tokens, temperature=t)
+            for s in servers:
+                if s.startup_s is None:
+                    continue
+                r = B.ServerResult(target=s.url, label=s.name, url=s.url, group=f"T={t:g}")
+                for c in levels:
+                    if time.time() > deadline:
+                        skipped.append(f"{s.name} T={t:g} c={c}")
+                        continue
+                    r.levels.append(B.run_level(s.url, prompts, c, B.requests_for(c, a.requests), samp))
+                    lv = r.levels[-1]
+                    log(f"{s.name} T={t:g} c={c}: {lv.output_tokens_per_s} tok/s, accept {lv.accept_length}, "
+                        f"round {lv.per_round_ms} ms, p50 {lv.latency_p50_ms} ms, errors {len(lv.errors)}")
+                r.server = B.server_info(s.url)
+                results.append(r)
+        doc = B.report(results, B.Sampling(max_new_tokens=a.max_new_tokens), {
+            "driver": "bench/acceptance_run.py", "temperatures": temps, "concurrency": levels,
+            "offline": offline, "exactness_vs_first": exact, "skipped": skipped,
+            "startup_s": {s.name: s.startup_s for s in servers}, "server_errors": {s.name: s.error for s in servers if s.error},
+            "server_cmds": {s.name: " ".join(s.cmd) for s in servers},
+            "train": {k: train[k] for k in ("stages", "seconds", "truncated", "bytes", "torch", "python")} if train else None,
+            "seconds": round(time.time() - t_start, 1),
+        })
+        (a.out / "results.json").write_text(json.dumps(doc, indent=1) + "\n")
+        (a.out / "table.md").write_text(table_md(doc, offline, temps, budgets))
+        try:
+            B.plot(doc, a.out / "plot.png", title="tiny stdlib pair: plain / DFLASH / DDTREE")
+        except Exception as exc:  # ImportError without matplotlib; the numbers are written already
+            log(f"no plot ({type(exc).__name__}: {exc}): render it with "
+                "ddtree-deploy bench --from-json results.json --plot plot.png")
+        print((a.out / "table.md").read_text())
+    finally:
+        for s in servers:
+            s.stop()
+        if a.pair is None and pair.exists():
+            with tarfile.open(a.out / "pair.tgz", "w:gz") as tf:
+                for name in ("target", "draft", "prompts.jsonl", "eval.json", "split.json", "train_log.json"):
+                    if (pair / name).exists():
+                        tf.add(pair / name, arcname=f"tiny-pair/{name}")
+        with tarfile.open(a.out / "logs.tgz", "w:gz") as tf:
+            tf.add(logdir, arcname="logs")
+    # greedy equality is reported, not required: bf16 verify (many tokens per forward) and decode
+    # (one) may round differently at a near-tie, which is not a speculative-decoding error
+    ok = all(s.startup_s is not None for s in servers) and bool(exact)
+    log(f"done in {time.time() - t_start:.0f} s, ok={ok}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
