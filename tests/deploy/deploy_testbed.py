@@ -81,7 +81,7 @@ def derive_build(base: BuildInfo, dest: Path, changes: dict[str, bytes]) -> Buil
         else:
             shutil.copyfile(base.path_of(rel), p)
         files[rel] = BuildFile(rel, sha256_file(p), p.stat().st_size, f.pristine_sha256)
-    info = BuildInfo(dest, base.sglang_version, compute_build_id({r: f.sha256 for r, f in files.items()}),
+    info = BuildInfo(dest, base.sglang_version, compute_build_id({r: f.sha256 for r, f in files.items()}, base.sglang_version),
                      base.series_sha256, base.snapshot_manifest_sha256, list(base.patches), files)
     (dest / MANIFEST_NAME).write_text(json.dumps(info.to_json(), indent=2))
     return load_build(dest)
@@ -99,7 +99,7 @@ def fallback_build(site: Path, dest: Path) -> BuildInfo:
         data = (orig.read_bytes() if orig.is_file() else (REPO / "ddtree_utils.py").read_bytes()) + b"\n# ddtree test build\n"
         p.write_bytes(data)
         files[rel] = BuildFile(rel, sha256_file(p), len(data), pristine)
-    info = BuildInfo(dest, SGLANG_VERSION, compute_build_id({r: f.sha256 for r, f in files.items()}), "0" * 64, "0" * 64, [], files)
+    info = BuildInfo(dest, SGLANG_VERSION, compute_build_id({r: f.sha256 for r, f in files.items()}, SGLANG_VERSION), "0" * 64, "0" * 64, [], files)
     (dest / MANIFEST_NAME).write_text(json.dumps(info.to_json(), indent=2))
     return load_build(dest)
 
