@@ -175,13 +175,13 @@ def _doc(per_pin: list[dict], **top) -> dict:
     return doc
 
 
-def _gate_pins(pins: list[Pin], gates, build_root, ddtree_utils, python) -> dict[str, list[GateResult]]:
+def _gate_pins(pins: list[Pin], gates, build_root, ddtree_utils, python, tests_dir=None) -> dict[str, list[GateResult]]:
     """Run the gates of every pin; gate 7 (the ddtree_utils tests, the same for every pin) runs
     once and its result is recorded for each pin."""
     out: dict[str, list[GateResult]] = {}
     unit: GateResult | None = None
     for p in pins:
-        ctx = Context(inputs=p.inputs(build_root, ddtree_utils), extra_pythons=python or [])
+        ctx = Context(inputs=p.inputs(build_root, ddtree_utils), extra_pythons=python or [], tests_dir=tests_dir)
         todo = [g for g in gates if not (g is gate_unit and unit is not None)]
         results = _run_gates_with_progress(ctx, todo, f"sglang {p.version}")
         if any(g is gate_unit for g in gates):
