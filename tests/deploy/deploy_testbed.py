@@ -37,17 +37,18 @@ def free_port() -> int:
 
 
 # -- the remote SGLang ------------------------------------------------------------------------------
-def sglang_site() -> Path:
-    """A pip --target install of the real sglang wheel (no deps), made once and cached."""
-    if (SITE_CACHE / "sglang" / "__init__.py").is_file():
-        return SITE_CACHE
-    tmp = SITE_CACHE.with_name(SITE_CACHE.name + f".tmp{os.getpid()}")
+def sglang_site(version: str = SGLANG_VERSION) -> Path:
+    """A pip --target install of the real sglang wheel of `version` (no deps), made once and cached."""
+    cache = SITE_CACHE.with_name(f"site-{version}")
+    if (cache / "sglang" / "__init__.py").is_file():
+        return cache
+    tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    wheels = sorted((REPO / ".cache" / "wheels").glob(f"sglang-{SGLANG_VERSION}-*.whl"))
-    src = [str(wheels[-1]), "--no-index"] if wheels else [f"sglang=={SGLANG_VERSION}"]
+    wheels = sorted((REPO / ".cache" / "wheels").glob(f"sglang-{version}-*.whl"))
+    src = [str(wheels[-1]), "--no-index"] if wheels else [f"sglang=={version}"]
     sh(sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(tmp), *src)
-    os.replace(tmp, SITE_CACHE)
-    return SITE_CACHE
+    os.replace(tmp, cache)
+    return cache
 
 
 def tree_digest(root: Path) -> dict[str, str]:
