@@ -5,13 +5,16 @@ PY := $(VENV)/bin/python
 CLI := $(VENV)/bin/ddtree-deploy
 HOST ?=
 TO ?=
+PIN ?=
+PINOPT := $(if $(PIN),--pin $(PIN),)
 
 .PHONY: refresh setup patch check test test-gpu series push plan status rollback bench bench-serve clean help
 
 help:
 	@echo "make setup      create $(VENV) and install the project, its tests and the SGLang test environment"
-	@echo "make patch      build build/sglang-<ver>/ from snapshot + patches and run the quality gates"
-	@echo "make check      run the quality gates on the current build"
+	@echo "make patch      build build/sglang-<ver>/ of every pin (snapshot/sglang-<ver>/ + patches/<ver>/series) and run the quality gates"
+	@echo "make check      run the quality gates on the current build of every pin"
+	@echo "                PIN=<ver> for one pin: make patch PIN=0.5.16, make check|series PIN=..., make refresh PATCH=... [PIN=...]"
 	@echo "make test       run the test suite"
 	@echo "make push HOST=ct200 | make plan HOST=ct200 | make status HOST=ct200 | make rollback HOST=ct200 [TO=<release>|pristine]"
 	@echo "make bench-serve URL='http://127.0.0.1:30000 ct200' PROMPTS=prompts.jsonl [ARGS='--concurrency 1,4 --plot b.png']"
@@ -24,13 +27,13 @@ $(PY):
 	scripts/setup_env.sh $(VENV)
 
 patch: $(PY)
-	$(CLI) patch
+	$(CLI) patch $(PINOPT)
 
 check: $(PY)
-	$(CLI) check
+	$(CLI) check $(PINOPT)
 
 series: $(PY)
-	$(CLI) series
+	$(CLI) series $(PINOPT)
 
 test: $(PY)
 	$(PY) -m pytest -q tests
@@ -66,5 +69,5 @@ clean:
 	rm -rf build
 
 refresh: $(PY)
-	@test -n "$(PATCH)" || { echo "usage: make refresh PATCH=<NNNN-name.patch>" >&2; exit 2; }
-	$(CLI) refresh $(PATCH)
+	@test -n "$(PATCH)" || { echo "usage: make refresh PATCH=<NNNN-name.patch> [PIN=<version>]" >&2; exit 2; }
+	$(CLI) refresh $(PINOPT) $(PATCH)

@@ -46,12 +46,13 @@ class Context:
         """The current build, checked against its manifest (ConfigError when missing or edited)."""
         return load_build(self.build_dir)
 
-    def run_python(self, *args: str) -> subprocess.CompletedProcess | None:
+    def run_python(self, *args: str, env: dict | None = None) -> subprocess.CompletedProcess | None:
         """`<python> ARGS` in the repository root with the gate timeout; None when it timed out."""
         try:
             return subprocess.run(
                 [self.python, *args],
                 cwd=self.repo_root,
+                env=env,
                 capture_output=True,
                 text=True,
                 timeout=self.timeout_s,

@@ -1,13 +1,16 @@
-"""Gate 6: import and behaviour smoke of the patched modules against the real sglang package.
+"""Gate 6: import and behaviour smoke of the patched modules against the real sglang package of
+the build's pin.
 
 Runs `<python> -m checks.sglang_smoke --build <build>` (written with the patch series; exit 0 ok,
-1 failure, 77 skipped when no sglang test environment exists). Skipped when that module is absent.
+1 failure, 77 skipped when no sglang test environment of that version exists) with the pin's
+sglang site first on PYTHONPATH when it has one (deploy.pins.sglang_env: `<venv>/sglang-sites/<V>/`,
+installed by scripts/install_sglang_env.sh). Skipped when that module is absent.
 """
 
 from __future__ import annotations
 
-
 from checks.base import FAIL, PASS, SKIP, Context, GateResult, Step
+from deploy.pins import sglang_env
 
 NUMBER, NAME = 6, "sglang smoke"
 SKIPPED_RC = 77
@@ -24,8 +27,9 @@ def run(ctx: Context, step: Step) -> GateResult:
         return GateResult(NUMBER, NAME, SKIP, 0, "checks/sglang_smoke.py not present")
     info = ctx.build()
     n = sum(1 for r, f in info.files.items() if f.sha256 != f.pristine_sha256)
-    step("importing the patched modules with the real sglang package")
-    proc = ctx.run_python("-m", "checks.sglang_smoke", "--build", str(info.root))
+    step(f"importing the patched modules with the real sglang {info.sglang_version}")
+    env = sglang_env(info.sglang_version, ctx.python)
+    proc = ctx.run_python("-m", "checks.sglang_smoke", "--build", str(info.root), env=env)
     if proc is None:
         return GateResult(NUMBER, NAME, FAIL, n, f"timed out after {ctx.timeout_s:.0f} s")
     out = proc.stdout + proc.stderr

@@ -3,7 +3,8 @@
     python -m checks.sglang_smoke --build build/sglang-0.5.13.post1
 
 Exit codes: 0 passed, 1 a check failed, 2 bad arguments (no such build), 77 skipped (no sglang
-installed in this Python). Human progress goes to stderr; the last stdout line is the summary.
+installed in this Python, or one of another version than the build's pin: gate 6 puts the pin's
+site first on PYTHONPATH). Human progress goes to stderr; the last stdout line is the summary.
 
 The build is laid over a copy of the installed package (an "overlay": hard links where possible,
 so it is cheap; files the build replaces are unlinked first, never written through). A fresh
@@ -11,6 +12,7 @@ Python then imports from the overlay with TRITON_INTERPRET=1 (sglang's Triton he
 and checks: every patched module imports from the overlay; `prepare_server_args` accepts a DDTREE
 configuration and derives the expected fields; an invalid budget is rejected with its message;
 and, when the build has `DDTreeVerifyInput`, one tiny tree verify matches ddtree_utils' reference.
+A build of an empty series (a pin in preparation) is checked for its imports only.
 """
 
 from __future__ import annotations
@@ -31,6 +33,26 @@ OK, FAILED, USAGE, SKIPPED = 0, 1, 2, 77
 METADATA_NAMES = frozenset({"BUILD-MANIFEST.json", "GATES.json"})
 REPO_ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = REPO_ROOT / "tests" / "sglang" / "fixtures.py"
+# Pins whose DDTREE runs on the v1 DFlash worker, which needs the overlap scheduler off.
+NO_OVERLAP_PINS = frozenset({"0.5.13.post1"})
+
+
+def build_manifest(build_dir: Path) -> dict:
+    """The build's BUILD-MANIFEST.json ({} when absent or unreadable)."""
+    try:
+        return json.loads((Path(build_dir) / "BUILD-MANIFEST.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def installed_version(pkg: Path) -> str | None:
+    """The version of the sglang distribution installed beside the package dir `pkg`."""
+    import importlib.metadata
+
+    for dist in importlib.metadata.distributions(path=[str(Path(pkg).parent)]):
+        if (dist.metadata["Name"] or "").lower() == "sglang":
+            return dist.version
+    return None
 
 
 def find_installed_sglang() -> Path | None:
@@ -133,7 +155,7 @@ def probe_imports(build_dir: Path, overlay_root: Path) -> list[str]:
     return names
 
 
-def probe_server_args(models_root: Path) -> dict:
+def probe_server_args(models_root: Path, version: str | None = None) -> dict:
     """Parse one DDTREE configuration and check one rejection."""
     from sglang.srt.server_args import prepare_server_args
 
@@ -150,7 +172,7 @@ def probe_server_args(models_root: Path) -> dict:
         "overlap_disabled": args.disable_overlap_schedule,
     }
     want = {"algorithm": "DDTREE", "budget": 31, "block_size": 16, "num_draft_tokens": 32,
-            "num_steps": 15, "overlap_disabled": True}
+            "num_steps": 15, "overlap_disabled": version in NO_OVERLAP_PINS or version is None}
     if got != want:
         raise AssertionError(f"DDTREE server args: got {got}, want {want}")
     if args.speculative_eagle_topk < 2:
@@ -255,18 +277,30 @@ def probe_verify() -> str:
     return f"tree verify matches the reference (accepted {acc_len.tolist()})"
 
 
+def _installed() -> str:
+    import sglang
+
+    return getattr(sglang, "__version__", "?")
+
+
 def probe_main(build_dir: Path, overlay_root: Path) -> int:
     import time
 
     t0 = time.time()
     names = probe_imports(build_dir, overlay_root)
     _say(f"ok: {len(names)} patched modules import from the overlay ({time.time() - t0:.1f} s)")
+    manifest = build_manifest(build_dir)
+    if not manifest.get("patches"):
+        print(f"sglang smoke passed: {len(names)} modules import into sglang {_installed()} "
+              "(empty series: no DDTREE to probe)")
+        return OK
     with tempfile.TemporaryDirectory(prefix="ddtree-smoke-models-") as tmp:
-        got = probe_server_args(Path(tmp))
+        got = probe_server_args(Path(tmp), manifest.get("sglang_version"))
     _say(f"ok: prepare_server_args DDTREE -> {json.dumps(got)}; budget 0 rejected")
     verify = probe_verify()
     _say(f"ok: {verify}")
-    print(f"sglang smoke passed: {len(names)} modules import, DDTREE args parse and validate, {verify}")
+    print(f"sglang smoke passed: {len(names)} modules import into sglang {_installed()}, DDTREE args parse and "
+          f"validate, {verify}")
     return OK
 
 
@@ -294,6 +328,11 @@ def main(argv: list[str] | None = None) -> int:
     installed = find_installed_sglang()
     if installed is None:
         print("skipped: sglang is not installed in this Python (see scripts/install_sglang_env.sh)")
+        return SKIPPED
+    want, have = build_manifest(a.build).get("sglang_version"), installed_version(installed)
+    if want and have != want:
+        print(f"skipped: this Python imports sglang {have} from {installed}, the build is for {want} "
+              f"(scripts/install_sglang_env.sh installs it into <venv>/sglang-sites/{want})")
         return SKIPPED
     with tempfile.TemporaryDirectory(prefix="ddtree-overlay-") as tmp:
         _say(f"overlay: {installed} + {a.build} -> {tmp}")

@@ -138,7 +138,7 @@ def describe(p: Prepared, root: Path) -> BuildInfo:
     return BuildInfo(
         root=Path(root),
         sglang_version=p.version,
-        build_id=compute_build_id({r: f.sha256 for r, f in files.items()}),
+        build_id=compute_build_id({r: f.sha256 for r, f in files.items()}, p.version),
         series_sha256=p.series.sha256(),
         snapshot_manifest_sha256=snap.manifest_sha256(p.inputs.snapshot_dir),
         patches=p.series.names,

@@ -7,7 +7,7 @@ Schema (version 1):
 {
   "schema": 1,
   "sglang_version": "0.5.13.post1",
-  "build_id": "<first 16 hex of sha256 over the sorted (path, sha256) list>",
+  "build_id": "<first 16 hex of sha256 over the pin's version and the sorted (path, sha256) list>",
   "series_sha256": "<sha256 of patches/series plus every patch file, in series order>",
   "snapshot_manifest_sha256": "<sha256 of the snapshot manifest file>",
   "patches": ["0001-....patch", ...],
@@ -87,9 +87,10 @@ class BuildInfo:
         }
 
 
-def compute_build_id(files: dict[str, str]) -> str:
-    """files: relpath -> sha256. Stable over ordering."""
-    h = hashlib.sha256()
+def compute_build_id(files: dict[str, str], sglang_version: str) -> str:
+    """files: relpath -> sha256. Stable over ordering; the pin's version is part of the id, so
+    builds of two pins never share one."""
+    h = hashlib.sha256(f"sglang {sglang_version}\n".encode())
     for p in sorted(files):
         h.update(f"{p}\0{files[p]}\n".encode())
     return h.hexdigest()[:16]

@@ -27,15 +27,15 @@ from deploy.facts import host_state, CURRENT, DEPLOYED, DRIFTED, MISSING, PRISTI
 from deploy.inventory import Host, Inventory, load_inventory
 from deploy.plan import add_diffs, make_plan
 from deploy.releases import Events, Outcome, run_host
-from deploy.snapshot import PINNED_VERSION
+from deploy.pins import BuildChoice, build_for_host
 from deploy.transport import connect
 from deploy.ui import console, emit_json, ok, warn
 
-DEFAULT_BUILD = Path(os.environ.get("DDTREE_DEPLOY_BUILD") or
-                     Path(__file__).resolve().parent.parent / "build" / f"sglang-{PINNED_VERSION}")
+# No --build: each host gets the build of the pin matching its SGLang (deploy.pins), from here.
+BUILD_ROOT = Path(os.environ.get("DDTREE_DEPLOY_BUILD_ROOT") or Path(__file__).resolve().parent.parent / "build")
 
 InventoryOpt = Annotated[Path | None, typer.Option("--inventory", "-i", help="hosts.toml (default: $DDTREE_DEPLOY_HOSTS or ./hosts.toml).")]
-BuildOpt = Annotated[Path, typer.Option("--build", help="The build directory (with BUILD-MANIFEST.json); default $DDTREE_DEPLOY_BUILD or build/sglang-<pin>.")]
+BuildOpt = Annotated[Path | None, typer.Option("--build", help="The build directory (with BUILD-MANIFEST.json) for every host; default $DDTREE_DEPLOY_BUILD, else build/sglang-<V> of each host's SGLang version V.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Write a JSON report to stdout.")]
 BreakLock = Annotated[bool, typer.Option("--break-lock", help="Remove a lock left by a dead run (check the host first).")]
 SEVERITY = [7, 1, 6, 5, 2]
@@ -66,6 +66,12 @@ def _load_build(path: Path, *, require_gates: bool) -> BuildInfo:
             raise ConfigError(why)
         warn(why)
     return build
+
+
+def _build_arg(build: Path | None, load) -> BuildInfo | BuildChoice:
+    """--build (or $DDTREE_DEPLOY_BUILD): that build for every host; else the pin of each host."""
+    path = build or os.environ.get("DDTREE_DEPLOY_BUILD")
+    return load(Path(path)) if path else BuildChoice(load, BUILD_ROOT)
 
 
 def _hosts(inv: Inventory, names: list[str]) -> list[Host]:
@@ -144,7 +150,7 @@ def _table(title: str, outs: list[Outcome]) -> None:
 def push(
     hosts: Annotated[list[str], typer.Argument(help="Inventory host names (`local` = this machine).")],
     inventory: InventoryOpt = None,
-    build: BuildOpt = DEFAULT_BUILD,
+    build: BuildOpt = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite drifted files (they are backed up).")] = False,
     serial: Annotated[int | None, typer.Option("--serial", min=1, help="Deploy N hosts at a time (default: all at once).")] = None,
     break_lock: BreakLock = False,
@@ -154,16 +160,17 @@ def push(
     try:
         inv = load_inventory(inventory)
         targets = _hosts(inv, hosts)
-        b = _load_build(build, require_gates=True)
+        b = _build_arg(build, lambda p: _load_build(p, require_gates=True))
     except DDTreeDeployError as exc:
         raise _fail(exc) from None
-    console.print(f"push build [bold]{b.build_id}[/] (sglang {b.sglang_version}, {len(b.patches)} patches, "
-                  f"{len(b.files)} files) to {', '.join(hosts)}")
+    what = (f"build [bold]{b.build_id}[/] (sglang {b.sglang_version}, {len(b.patches)} patches, {len(b.files)} files)"
+            if isinstance(b, BuildInfo) else escape(b.describe()))
+    console.print(f"push {what} to {', '.join(hosts)}")
     outs = _run_many(targets, inv, "push", serial, build=b, force=force, break_lock=break_lock)
     _table("push", outs)
     code = worst([o.code for o in outs])
     if json_out:
-        emit_json({"action": "push", "build_id": b.build_id, "ok": code == EXIT_OK, "exit_code": code,
+        emit_json({"action": "push", "build_id": getattr(b, "build_id", None), "ok": code == EXIT_OK, "exit_code": code,
                    "results": [o.to_json() for o in outs]})
     if code:
         failed = [o.host for o in outs if not o.ok]
@@ -196,7 +203,7 @@ def rollback(
 def plan(
     host: Annotated[str, typer.Argument(help="Inventory host name.")],
     inventory: InventoryOpt = None,
-    build: BuildOpt = DEFAULT_BUILD,
+    build: BuildOpt = None,
     diff: Annotated[bool, typer.Option("--diff", help="Show unified diffs remote -> build.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Plan as `push --force` would.")] = False,
     json_out: JsonOpt = False,
@@ -206,8 +213,9 @@ def plan(
     try:
         inv = load_inventory(inventory)
         h = inv.get(host)
-        b = _load_build(build, require_gates=False)
+        b = _build_arg(build, lambda p: _load_build(p, require_gates=False))
         t = connect(h, inv)
+        b = build_for_host(t, b)  # the build of the host's pin (exit 6 when its SGLang has none)
         facts = gather(t, b)
         p = make_plan(t, b, facts, force=force)
         if diff:
@@ -242,7 +250,7 @@ def plan(
 def status(
     host: Annotated[str, typer.Argument(help="Inventory host name.")],
     inventory: InventoryOpt = None,
-    build: BuildOpt = DEFAULT_BUILD,
+    build: BuildOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Current release, drift, service state, health, speculative algorithm and acceptance metrics."""
@@ -251,8 +259,10 @@ def status(
     try:
         inv = load_inventory(inventory)
         h = inv.get(host)
-        b = load_build(build) if (Path(build) / MANIFEST_NAME).is_file() else None
+        path = build or os.environ.get("DDTREE_DEPLOY_BUILD")
+        b = (load_build(path) if (Path(path) / MANIFEST_NAME).is_file() else None) if path else BuildChoice(load_build, BUILD_ROOT)
         t = connect(h, inv)
+        b = build_for_host(t, b, missing_ok=True)  # no pin or no build for the host's SGLang: host state only
         if b is not None:
             facts = gather(t, b)
             out.update(sglang_version=facts.version, sglang_dir=facts.sglang_dir, current=facts.current,

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from deploy import health, lock, records, restart
+from deploy import health, lock, pins, records, restart
 from deploy.buildinfo import BuildInfo
 from deploy.errors import (
     EXIT_FAILED,
@@ -292,12 +292,14 @@ class Releaser:
 def run_host(host: Host, inventory: Inventory, action: str, events: Events | None = None, **kw) -> Outcome:
     """Connect, run `action` ('push' or 'rollback'), close; every error becomes an Outcome with its exit code.
     Records the outcome locally (deploy-state/<host>.jsonl)."""
-    t = None
+    t, build = None, kw.get("build")
     try:
         t = connect(host, inventory)
         r = Releaser(t, events)
         if action == "push":
-            out = r.push(kw["build"], force=kw.get("force", False), break_lock=kw.get("break_lock", False))
+            build = pins.build_for_host(t, build)  # the build of the host's pin (exit 6 when its SGLang has none)
+            out = r.push(build, force=kw.get("force", False), break_lock=kw.get("break_lock", False))
+            out.extra.update(build_id=build.build_id, sglang_version=build.sglang_version)
         else:
             out = r.rollback(kw.get("to"), break_lock=kw.get("break_lock", False))
     except DDTreeDeployError as exc:
@@ -310,7 +312,7 @@ def run_host(host: Host, inventory: Inventory, action: str, events: Events | Non
     finally:
         if t is not None:
             t.close()
-    build = kw.get("build")
+    build = build if isinstance(build, BuildInfo) else None
     outcome = ("done" if out.changed else "noop") if out.ok else OUTCOME_BY_CODE.get(out.code, "failed")
     records.append(host.name, {"time": _now(), "host": host.name, "action": action, "ok": out.ok, "code": out.code,
                                "outcome": outcome,

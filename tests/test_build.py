@@ -36,7 +36,7 @@ def test_empty_series_builds_snapshot_plus_ddtree_utils(project):
         "pristine_sha256": sha(expected[MOD]),
     }
     assert manifest["snapshot_manifest_sha256"] == sha((project.snapshot_dir / "MANIFEST.json").read_bytes())
-    assert manifest["build_id"] == compute_build_id({r: sha(b) for r, b in expected.items()})
+    assert manifest["build_id"] == compute_build_id({r: sha(b) for r, b in expected.items()}, project.version)
     assert load_build(project.build_dir).build_id == result.info.build_id
 
 

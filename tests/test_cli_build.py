@@ -181,12 +181,18 @@ def test_refresh_of_a_patch_whose_changes_were_reverted_is_refused(patched_proje
 
 def test_defaults_are_the_repository_directories(ddtree, tmp_path):
     """Run from another directory with no path options: the repository's series and snapshot."""
+    pins = sorted(p.name.removeprefix("sglang-") for p in (REPO_ROOT / "snapshot").glob("sglang-*"))
+    assert PINNED_VERSION in pins
     r = ddtree("series", "--json", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    assert [p["patch"] for p in json.loads(r.stdout)["patches"]] == load_series(REPO_ROOT / "patches" / PINNED_VERSION).names
+    doc = {d["pin"]: d for d in json.loads(r.stdout)["pins"]}
+    assert sorted(doc) == pins
+    for pin, d in doc.items():
+        assert [p["patch"] for p in d["patches"]] == load_series(REPO_ROOT / "patches" / pin).names
     r = ddtree("snapshot", "verify", "--json", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout)["problems"] == []
+    doc = json.loads(r.stdout)
+    assert sorted(d["pin"] for d in doc["pins"]) == pins and all(d["problems"] == [] for d in doc["pins"])
 
 
 def test_human_output_shows_brackets_literally(project, ddtree):

@@ -37,17 +37,18 @@ def free_port() -> int:
 
 
 # -- the remote SGLang ------------------------------------------------------------------------------
-def sglang_site() -> Path:
-    """A pip --target install of the real sglang wheel (no deps), made once and cached."""
-    if (SITE_CACHE / "sglang" / "__init__.py").is_file():
-        return SITE_CACHE
-    tmp = SITE_CACHE.with_name(SITE_CACHE.name + f".tmp{os.getpid()}")
+def sglang_site(version: str = SGLANG_VERSION) -> Path:
+    """A pip --target install of the real sglang wheel of `version` (no deps), made once and cached."""
+    cache = SITE_CACHE.with_name(f"site-{version}")
+    if (cache / "sglang" / "__init__.py").is_file():
+        return cache
+    tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    wheels = sorted((REPO / ".cache" / "wheels").glob(f"sglang-{SGLANG_VERSION}-*.whl"))
-    src = [str(wheels[-1]), "--no-index"] if wheels else [f"sglang=={SGLANG_VERSION}"]
+    wheels = sorted((REPO / ".cache" / "wheels").glob(f"sglang-{version}-*.whl"))
+    src = [str(wheels[-1]), "--no-index"] if wheels else [f"sglang=={version}"]
     sh(sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(tmp), *src)
-    os.replace(tmp, SITE_CACHE)
-    return SITE_CACHE
+    os.replace(tmp, cache)
+    return cache
 
 
 def tree_digest(root: Path) -> dict[str, str]:
@@ -81,7 +82,7 @@ def derive_build(base: BuildInfo, dest: Path, changes: dict[str, bytes]) -> Buil
         else:
             shutil.copyfile(base.path_of(rel), p)
         files[rel] = BuildFile(rel, sha256_file(p), p.stat().st_size, f.pristine_sha256)
-    info = BuildInfo(dest, base.sglang_version, compute_build_id({r: f.sha256 for r, f in files.items()}),
+    info = BuildInfo(dest, base.sglang_version, compute_build_id({r: f.sha256 for r, f in files.items()}, base.sglang_version),
                      base.series_sha256, base.snapshot_manifest_sha256, list(base.patches), files)
     (dest / MANIFEST_NAME).write_text(json.dumps(info.to_json(), indent=2))
     return load_build(dest)
@@ -99,7 +100,7 @@ def fallback_build(site: Path, dest: Path) -> BuildInfo:
         data = (orig.read_bytes() if orig.is_file() else (REPO / "ddtree_utils.py").read_bytes()) + b"\n# ddtree test build\n"
         p.write_bytes(data)
         files[rel] = BuildFile(rel, sha256_file(p), len(data), pristine)
-    info = BuildInfo(dest, SGLANG_VERSION, compute_build_id({r: f.sha256 for r, f in files.items()}), "0" * 64, "0" * 64, [], files)
+    info = BuildInfo(dest, SGLANG_VERSION, compute_build_id({r: f.sha256 for r, f in files.items()}, SGLANG_VERSION), "0" * 64, "0" * 64, [], files)
     (dest / MANIFEST_NAME).write_text(json.dumps(info.to_json(), indent=2))
     return load_build(dest)
 

@@ -17,7 +17,9 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 MODULES = ["sglang.srt.server_args", "sglang.srt.speculative.spec_info",
-           "sglang.srt.speculative.dflash_info", "sglang.srt.speculative.dflash_worker"]
+           "sglang.srt.speculative.dflash_info"]
+# The DFlash worker of the installed release: v1 (0.5.13.post1) or v2 (0.5.16); one must import.
+WORKERS = ["sglang.srt.speculative.dflash_worker", "sglang.srt.speculative.dflash_worker_v2"]
 OPTIONAL = ["sglang.srt.speculative.ddtree_utils"]
 
 
@@ -25,6 +27,11 @@ def load(algorithm: str) -> dict:
     import sglang
 
     for m in MODULES:
+        importlib.import_module(m)
+    workers = [m for m in WORKERS if importlib.util.find_spec(m) is not None]
+    if not workers:
+        raise ImportError(f"no DFlash worker module in this sglang ({', '.join(WORKERS)})")
+    for m in workers:
         importlib.import_module(m)
     present = []
     for m in OPTIONAL:
