@@ -57,7 +57,9 @@ __all__ = [
     "shard_topk_stats",
     "target_probs_from_logits",
     "tree_arrays_from_parents",
+    "tree_commit_layout",
     "tree_custom_mask",
+    "tree_custom_mask_index",
     "tree_metrics",
     "verify_greedy_reference",
     "verify_sampling_reference",
@@ -1313,3 +1315,72 @@ def tree_metrics(tree: DDTree, accept_len: Tensor | None = None) -> dict:
             out["mean_accept_len"] + 1.0 if acc.numel() else 0.0
         )
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Sync-free round pieces for an overlapped scheduler (SGLang spec-v2 workers)
+# ----------------------------------------------------------------------------------------------
+
+
+def tree_custom_mask_index(seq_lens: Tensor, n: int) -> Tensor:
+    """Flat positions of the tree blocks inside SGLang's FULL custom mask, on the device.
+
+    Args:
+        seq_lens: ``[bs]`` prefix lengths (any device; not copied to the host).
+        n: verify tokens per request ``N``.
+
+    Returns ``[bs, N, N]`` int64: entry ``(b, i, j)`` is where row ``i``, key ``seq_lens[b] + j``
+    of request ``b`` lives in the flat mask of :func:`tree_custom_mask` (requests concatenated,
+    each ``N`` rows of ``seq_lens[b] + N``). Every other entry of that mask is True, so a
+    buffer kept all True outside these positions holds the FULL mask after
+    ``buf[index] = tree_mask`` (and is restored by ``buf[index] = True``). No host sync.
+    """
+    lens = seq_lens.to(torch.int64).view(-1)
+    bs = lens.numel()
+    device = lens.device
+    sizes = (lens + n) * n
+    start = torch.cumsum(sizes, 0) - sizes + lens  # [bs] first tree-block entry of row 0
+    i = torch.arange(n, device=device).view(1, n, 1)
+    j = torch.arange(n, device=device).view(1, 1, n)
+    return start.view(bs, 1, 1) + i * (lens.view(bs, 1, 1) + n) + j
+
+
+def tree_commit_layout(
+    accept_index: Tensor,
+    accept_len: Tensor,
+    bonus: Tensor,
+    candidates: Tensor,
+    width: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Fixed-shape commit of accepted tree paths (no host sync).
+
+    Args:
+        accept_index: ``[bs, M]`` within-request verify indices of the accepted path in path
+            order, root first, -1 padded (as :func:`verify_greedy_reference` returns).
+        accept_len: ``[bs]`` accepted draft nodes (root excluded); ``accept_len < width``.
+        bonus: ``[bs]`` the token sampled after the last accepted node.
+        candidates: ``[bs, N]`` verify tokens (root first).
+        width: row width of the outputs (e.g. the DFlash block size), ``>= M``.
+
+    Returns:
+        ``out_tokens [bs, width] int64``: the accepted draft tokens in path order, then the
+        bonus at index ``accept_len``, zeros after (SGLang spec-v2 ``next_token_ids`` rows).
+        ``commit_lens [bs] int32 = accept_len + 1``.
+        ``path [bs, width] int64``: verify index of the i-th committed token (0 past
+        ``commit_lens``): row ``b`` gathers the committed tokens' KV / hidden states.
+    """
+    bs, m = accept_index.shape
+    device = accept_index.device
+    if m > width:
+        raise ValueError(f"accept_index has {m} columns for rows of width {width}")
+    acc = accept_len.to(device=device, dtype=torch.int64).view(bs)
+    path = torch.zeros(bs, width, dtype=torch.int64, device=device)
+    path[:, :m] = accept_index.to(torch.int64).clamp_min(0)
+    cols = torch.arange(width, device=device).view(1, width)
+    path = torch.where(cols <= acc.view(bs, 1), path, 0)
+    # token committed at step i is the node at path position i + 1 (the root is last round's)
+    nxt = torch.cat([path[:, 1:], torch.zeros_like(path[:, :1])], 1)
+    tokens = candidates.to(torch.int64).gather(1, nxt)
+    out = torch.where(cols < acc.view(bs, 1), tokens, 0)
+    out = torch.where(cols == acc.view(bs, 1), bonus.to(torch.int64).view(bs, 1), out)
+    return out, (acc + 1).to(torch.int32), path

@@ -8,7 +8,13 @@ run the extra checks: sampling (T=0.7, top-p, top-k) returns valid tokens, a log
 request is refused while other requests keep being served, /get_server_info reports
 DDTREE and, with --speculative-ddtree-debug-metrics, the debug metrics.
 
-  python3 tests/gpu/ddtree_e2e.py --out OUT [--backends triton,flashinfer] [--budgets 1,15,63,255]
+  python3 tests/gpu/ddtree_e2e.py --out OUT [--pin 0.5.16] [--backends triton,flashinfer] [--budgets 1,15,63,255]
+
+Every server also serves (compared with the plain target's outputs): 40 concurrent requests
+of random prompt and output lengths, and requests with a stop token (ends inside a round).
+DFLASH and the extra-check DDTREE servers serve a mixed batch (greedy and T 0.7 / top-p 0.9
+requests at once): every request must be answered within --mixed-timeout and the greedy rows
+must equal greedy-only serving (recorded, not required, for DFLASH: upstream stalls there).
 
 Writes OUT/<config>.log, OUT/summary.json and prints a result table. Exit status 0 only
 when every check passed. Needs CUDA and the patched sglang on PYTHONPATH.
@@ -63,6 +69,17 @@ COMMON_ARGS = (
     "--mem-fraction-static 0.9 --max-total-tokens 65536 --cuda-graph-max-bs 16 "
     "--max-running-requests 16 --random-seed 0"
 )
+COMMON_ARGS_BY_PIN = {
+    "0.5.13.post1": COMMON_ARGS,
+    # 0.5.16: overlap scheduler on (default); 48 running requests so the 40 concurrent
+    # requests batch together; graphs up to batch 32 (larger batches run eagerly).
+    "0.5.16": (
+        "--sampling-backend pytorch --cuda-graph-backend-prefill disabled "
+        "--grammar-backend none --mem-fraction-static 0.9 --max-total-tokens 65536 "
+        "--cuda-graph-max-bs-decode 32 --max-running-requests 48 --random-seed 0"
+    ),
+}
+STOP_TOKEN = 5
 
 
 @dataclass
@@ -155,6 +172,69 @@ def greedy(port: int, prompts: list[list[int]], max_new: int) -> list[list[int]]
     return outs
 
 
+def concurrent(port: int, reqs: list[tuple[list[int], dict]], timeout: float) -> list:
+    """Send every (input_ids, sampling_params) as its own request at once; outputs in order
+    (None for a request that failed or was not answered within `timeout`)."""
+    results: list = [None] * len(reqs)
+
+    def one(i: int) -> None:
+        ids, params = reqs[i]
+        try:
+            code, out = post(
+                port, "/generate", {"input_ids": ids, "sampling_params": params}, timeout
+            )
+            if code == 200:
+                results[i] = out["output_ids"]
+        except (OSError, ValueError, KeyError):
+            pass
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(reqs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout + 5)
+    return results
+
+
+def stress_requests(vocab: int) -> tuple[list, list]:
+    """40 greedy requests of random prompt/output lengths, and stop-token requests."""
+    rng = random.Random(1)
+    conc = []
+    for _ in range(40):
+        ids = [rng.randrange(3, vocab - 1) for _ in range(rng.randrange(1, 300))]
+        conc.append(
+            (ids, {"max_new_tokens": rng.randrange(1, 97), "temperature": 0, "ignore_eos": True})
+        )
+    stop = []
+    for _ in range(8):
+        ids = [rng.randrange(3, vocab - 1) for _ in range(rng.randrange(2, 80))]
+        stop.append(
+            (ids, {"max_new_tokens": 64, "temperature": 0, "stop_token_ids": [STOP_TOKEN]})
+        )
+    return conc, stop
+
+
+def mixed_batch(
+    port: int, prompts: list[list[int]], max_new: int, timeout: float
+) -> dict:
+    """Greedy and sampled requests at once: all answered in time; greedy rows kept."""
+    greedy_p = {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}
+    sampled_p = {"max_new_tokens": max_new, "temperature": 0.7, "top_p": 0.9, "ignore_eos": True}
+    reqs = []
+    for p in prompts:
+        reqs.append((p, greedy_p))
+        reqs.append((p, sampled_p))
+    t0 = time.time()
+    outs = concurrent(port, reqs, timeout)
+    return {
+        "seconds": round(time.time() - t0, 1),
+        "answered": sum(o is not None for o in outs),
+        "requests": len(outs),
+        "greedy_outputs": outs[0::2],
+        "sampled_lens_ok": all(o is not None and len(o) == max_new for o in outs[1::2]),
+    }
+
+
 def extra_checks(
     cfg: Config,
     port: int,
@@ -239,6 +319,8 @@ def run_config(
     max_new: int,
     startup_timeout: float,
     vocab: int,
+    common_args: str = COMMON_ARGS,
+    mixed_timeout: float = 120,
 ) -> None:
     tdir, ddir = os.path.join(models, "target"), os.path.join(models, "draft")
     extra = cfg.extra.format(draft=ddir, target=tdir)
@@ -257,7 +339,7 @@ def run_config(
         str(port),
         "--attention-backend",
         cfg.backend,
-        *shlex.split(COMMON_ARGS),
+        *shlex.split(common_args),
         *shlex.split(extra),
     ]
     rec = cfg.result
@@ -286,6 +368,11 @@ def run_config(
         rec["gen_s"] = round(time.time() - t1, 2)
         rec["outputs"] = [o["output_ids"] for o in outs]
         rec["accept_len"] = [o["meta_info"].get("spec_accept_length") for o in outs]
+        conc, stop = stress_requests(vocab)
+        rec["concurrent_outputs"] = concurrent(port, conc, 300)
+        rec["stop_outputs"] = concurrent(port, stop, 300)
+        if cfg.kind == "dflash" or cfg.extras_checks:
+            rec["mixed"] = mixed_batch(port, prompts, max_new, mixed_timeout)
         if cfg.extras_checks:
             rec["checks"] = extra_checks(
                 cfg, port, prompts, max_new, rec["outputs"], vocab
@@ -316,6 +403,21 @@ def compare(configs: list[Config]) -> None:
         base = by_name.get(f"{c.backend}-base")
         dfl = by_name.get(f"{c.backend}-dflash")
         outs = c.result.get("outputs")
+        if base is not None and base is not c:
+            for key in ("concurrent_outputs", "stop_outputs"):
+                mine, theirs = c.result.get(key), base.result.get(key)
+                if mine is not None and theirs is not None:
+                    c.result[key.replace("outputs", "match_base")] = mine == theirs and all(
+                        o is not None for o in mine
+                    )
+            mixed = c.result.get("mixed")
+            if mixed is not None and base.result.get("outputs") is not None:
+                mixed["greedy_match_base"] = mixed["greedy_outputs"] == base.result["outputs"]
+                mixed["ok"] = (
+                    mixed["answered"] == mixed["requests"]
+                    and mixed["greedy_match_base"]
+                    and mixed["sampled_lens_ok"]
+                )
         for label, ref in (("matches_base", base), ("matches_dflash", dfl)):
             if (
                 ref is None
@@ -337,6 +439,12 @@ def passed(c: Config) -> bool:
         return False
     if r.get("matches_base") is False or r.get("matches_dflash") is False:
         return False
+    for key in ("concurrent_match_base", "stop_match_base"):
+        if r.get(key) is False:
+            return False
+    # Upstream DFLASH's mixed-batch result is recorded, not required.
+    if c.kind == "ddtree" and "mixed" in r and not r["mixed"].get("ok"):
+        return False
     ch = r.get("checks", {})
     keys = (
         "sampling_valid",
@@ -350,10 +458,18 @@ def passed(c: Config) -> bool:
     return not (c.debug_metrics and not ch.get("debug_metrics_present"))
 
 
+def _mixed_cell(m) -> str:
+    if not m:
+        return "-"
+    return (
+        f"{m['answered']}/{m['requests']} in {m['seconds']} s, greedy={m.get('greedy_match_base', '-')}"
+    )
+
+
 def table(configs: list[Config]) -> str:
     rows = [
-        "| config | startup s | gen s | = base | = DFLASH | mean accept | extra checks | result |",
-        "|---|---|---|---|---|---|---|---|",
+        "| config | startup s | gen s | = base | = DFLASH | mean accept | concurrent/stop = base | mixed batch | extra checks | result |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in configs:
         r = c.result
@@ -372,7 +488,8 @@ def table(configs: list[Config]) -> str:
         rows.append(
             f"| {c.name} | {r.get('startup_s', '-')} | {r.get('gen_s', '-')} | "
             f"{r.get('matches_base', '-')} | {r.get('matches_dflash', '-')} | {mean} | "
-            f"{chs} | {'PASS' if passed(c) else 'FAIL: ' + r.get('error', 'mismatch')[:80]} |"
+            f"{r.get('concurrent_match_base', '-')}/{r.get('stop_match_base', '-')} | "
+            f"{_mixed_cell(r.get('mixed'))} | {chs} | {'PASS' if passed(c) else 'FAIL: ' + r.get('error', 'mismatch')[:80]} |"
         )
     return "\n".join(rows)
 
@@ -390,6 +507,8 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--startup-timeout", type=float, default=420)
     ap.add_argument("--vocab", type=int, default=DEFAULT_VOCAB)
+    ap.add_argument("--pin", default="0.5.13.post1", choices=sorted(COMMON_ARGS_BY_PIN))
+    ap.add_argument("--mixed-timeout", type=float, default=120)
     a = ap.parse_args()
 
     os.makedirs(a.out, exist_ok=True)
@@ -429,9 +548,11 @@ def main() -> int:
                 a.max_new_tokens,
                 a.startup_timeout,
                 a.vocab,
+                COMMON_ARGS_BY_PIN[a.pin],
+                a.mixed_timeout,
             )
             print(
-                f"done  {cfg.name}: { {k: v for k, v in cfg.result.items() if k not in ('outputs', 'cmd', 'checks')} }",
+                f"done  {cfg.name}: { {k: v for k, v in cfg.result.items() if k not in ('outputs', 'cmd', 'checks', 'concurrent_outputs', 'stop_outputs', 'mixed')} }",
                 flush=True,
             )
         if cfg is first_fi:

@@ -1,0 +1,191 @@
+#!/usr/bin/env python3
+"""Per-round cost of plain decode, DFLASH and DDTREE at a real model's shape, side by side.
+
+  python3 bench/round_cost.py --out OUT [--pin 0.5.16] [--backend triton] [--bs 1,4,16,32]
+
+Qwen3-8B-shaped target (36 layers, hidden 4096, vocab 151936) and a 5-layer DFlash draft
+(block 16), dummy weights, so no draft token is ever accepted and every figure is the cost
+of one round. All servers start in parallel (KV capped with --max-total-tokens), then each is
+measured alone: `bs` prompts of 512 tokens, 8 then 136 new tokens, per-round
+ms = (t136 - t8) / (rounds136 - rounds8). Writes OUT/round_cost.json and OUT/round_cost.md
+(the table, ratios against DFLASH and the issue-12 goals: DDTREE b15 <= 1.05x DFLASH at every
+batch, b63 <= 1.2x at batch 1). Needs CUDA and the patched sglang on PYTHONPATH.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+TARGET = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "vocab_size": 151936,
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+}
+DRAFT = dict(
+    TARGET,
+    architectures=["DFlashDraftModel"],
+    num_hidden_layers=5,
+    block_size=16,
+    num_target_layers=36,
+    dflash_config={"target_layer_ids": [1, 9, 17, 25, 33], "mask_token_id": 151669, "block_size": 16},
+)
+COMMON_BY_PIN = {
+    "0.5.13.post1": (
+        "--sampling-backend pytorch --disable-piecewise-cuda-graph --grammar-backend none "
+        "--mem-fraction-static 0.9 --max-total-tokens 40000 --cuda-graph-max-bs 32 "
+        "--max-running-requests 32 --random-seed 0"
+    ),
+    "0.5.16": (
+        "--sampling-backend pytorch --cuda-graph-backend-prefill disabled --grammar-backend none "
+        "--mem-fraction-static 0.9 --max-total-tokens 40000 --cuda-graph-max-bs-decode 32 "
+        "--max-running-requests 32 --random-seed 0"
+    ),
+}
+SPEC = "--speculative-algorithm {algo} --speculative-draft-model-path {draft}"
+CONFIGS = {
+    "plain": "",
+    "dflash": SPEC.format(algo="DFLASH", draft="{draft}"),
+    "ddtree_b15": SPEC.format(algo="DDTREE", draft="{draft}") + " --speculative-ddtree-budget 15",
+    "ddtree_b63": SPEC.format(algo="DDTREE", draft="{draft}") + " --speculative-ddtree-budget 63",
+}
+
+
+def post(port: int, body: dict, timeout: float = 300) -> list:
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/generate", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def timed(port: int, ids: list, new: int) -> tuple[float, int]:
+    t = time.time()
+    out = post(port, {"input_ids": ids, "sampling_params": {"max_new_tokens": new, "temperature": 0, "ignore_eos": True}})
+    return time.time() - t, int(out[0]["meta_info"].get("spec_verify_ct") or new)
+
+
+def table(res: list, bss: list) -> str:
+    ms = {(r["config"], r["bs"]): r.get("round_ms") for r in res}
+    rows = ["| batch | " + " | ".join(CONFIGS) + " | b15 / DFLASH | b63 / DFLASH |", "|---" * (len(CONFIGS) + 3) + "|"]
+    goals = []
+    for bs in bss:
+        cells = [f"{ms.get((c, bs)):.2f}" if ms.get((c, bs)) else "-" for c in CONFIGS]
+        d = ms.get(("dflash", bs))
+        ratios = []
+        for c in ("ddtree_b15", "ddtree_b63"):
+            v = ms.get((c, bs))
+            ratios.append(f"{v / d:.3f}" if v and d else "-")
+        rows.append(f"| {bs} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
+        if d and ms.get(("ddtree_b15", bs)):
+            goals.append((f"b15 <= 1.05x DFLASH at bs {bs}", ms[("ddtree_b15", bs)] / d <= 1.05))
+        if bs == 1 and d and ms.get(("ddtree_b63", bs)):
+            goals.append(("b63 <= 1.2x DFLASH at bs 1", ms[("ddtree_b63", bs)] / d <= 1.2))
+    rows.append("")
+    rows += [f"- {g}: {'met' if ok else 'MISSED'}" for g, ok in goals]
+    return "\n".join(rows)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--pin", default="0.5.16", choices=sorted(COMMON_BY_PIN))
+    ap.add_argument("--backend", default="triton")
+    ap.add_argument("--bs", default="1,4,16,32")
+    ap.add_argument("--only", default="", help="comma-separated config names")
+    ap.add_argument("--port", type=int, default=30100)
+    ap.add_argument("--deadline", type=float, default=540, help="seconds for the whole run")
+    a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    t00 = time.time()
+    for name, cfg in (("rc-target", TARGET), ("rc-draft", DRAFT)):
+        os.makedirs(f"/tmp/{name}", exist_ok=True)
+        with open(f"/tmp/{name}/config.json", "w") as f:
+            json.dump(cfg, f)
+    names = [n for n in CONFIGS if not a.only or n in a.only.split(",")]
+    procs = {}
+    for i, name in enumerate(names):
+        port = a.port + 10 * i
+        cmd = [
+            sys.executable, "-m", "sglang.launch_server", "--model-path", "/tmp/rc-target",
+            "--load-format", "dummy", "--skip-tokenizer-init", "--host", "127.0.0.1", "--port", str(port),
+            "--attention-backend", a.backend, *shlex.split(COMMON_BY_PIN[a.pin]),
+            *shlex.split(CONFIGS[name].format(draft="/tmp/rc-draft")),
+        ]
+        log = open(os.path.join(a.out, f"rc-{name}.log"), "w")  # noqa: SIM115 - lives with the server
+        procs[name] = (port, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        time.sleep(8)
+    ready: dict = {}
+    while len(ready) < len(procs) and time.time() - t00 < a.deadline * 0.6:
+        for name, (port, p) in procs.items():
+            if name in ready:
+                continue
+            if p.poll() is not None:
+                ready[name] = False
+                continue
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                ready[name] = True
+            except OSError:
+                pass
+        time.sleep(2)
+    print(json.dumps({"ready": ready, "t": round(time.time() - t00)}), flush=True)
+    bss = [int(x) for x in a.bs.split(",")]
+    res = []
+    for name, (port, _) in procs.items():
+        if not ready.get(name):
+            res.append({"config": name, "error": "server not ready"})
+            continue
+        rng = random.Random(0)
+        for bs in bss:
+            if time.time() - t00 > a.deadline:
+                break
+            ids = [[rng.randrange(100, 150000) for _ in range(512)] for _ in range(bs)]
+            try:
+                timed(port, ids, 8)
+                ts, cs = timed(port, ids, 8)
+                tl, cl = timed(port, ids, 136)
+                r = {"config": name, "bs": bs, "round_ms": round(1000 * (tl - ts) / max(1, cl - cs), 3), "rounds": cl - cs}
+            except Exception as e:  # noqa: BLE001 - recorded
+                r = {"config": name, "bs": bs, "error": repr(e)[:200]}
+            res.append(r)
+            print(json.dumps(r), flush=True)
+    for _, p in procs.values():
+        try:
+            os.killpg(p.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    with open(os.path.join(a.out, "round_cost.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    report = table(res, bss)
+    with open(os.path.join(a.out, "round_cost.md"), "w") as f:
+        f.write(report + "\n")
+    print(report, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
