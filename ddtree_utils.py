@@ -1226,7 +1226,6 @@ _SAMPLE_SBLOCK = 256  # columns per step of a search pass (x _SAMPLE_PIVOTS keys
 _SAMPLE_PIVOTS = 16  # keys evaluated per search pass (lo, hi and 14 between)
 _SAMPLE_MAX_PASSES = 48  # guard only: a pass shrinks hi - lo >= 15-fold, 2**32 keys
 _TORCH_WORK_ELEMS = 1 << 20  # torch path: rows per chunk = this // V (at least one)
-_TORCH_NOISE_COLS = 16384  # torch path: Gumbel noise columns per step
 
 
 def _per_row(
@@ -1294,32 +1293,41 @@ def _sample_rows_torch(
     generator: torch.Generator | None,
 ) -> tuple[Tensor, Tensor]:
     """One chunk of rows: ``x [r, V]`` -> ``(token [r] int64, threshold [r] f32)`` (kept set
-    ``s >= threshold``). Radix select for the top-k/top-p threshold, chunked Gumbel-max."""
+    ``s >= threshold``). Radix select (4 levels of 8 bits) for the top-k/top-p threshold, then
+    inverse-CDF sampling of the kept mass with one float64 uniform per row."""
     r, vocab = x.shape
     device = x.device
     s = x.float() / temp.view(r, 1)
     s.add_(0.0)  # -0.0 -> +0.0, so key order equals value order
     peak = s.amax(dim=1)
     lse = torch.logsumexp(s, dim=1)
-    ukey = _ordered_keys(s).to(torch.int64) + (1 << 31)  # [r, V] in [0, 2**32)
+    key = _ordered_keys(s)  # [r, V] int32, signed order = value order
     prob = (s.double() - lse.double().view(r, 1)).exp_()  # [r, V] float64
     base = torch.arange(r, device=device).view(r, 1) * 256
     bins = torch.arange(256, device=device).view(1, 256)
-    prefix = torch.zeros(r, 1, dtype=torch.int64, device=device)
+    prefix = torch.zeros(r, 1, dtype=torch.int64, device=device)  # key >> (shift + 8)
     above_n = torch.zeros(r, 1, dtype=torch.float64, device=device)
     above_m = torch.zeros(r, 1, dtype=torch.float64, device=device)
     ones = torch.ones(1, dtype=torch.float64, device=device).expand(r * vocab)
     for shift in (24, 16, 8, 0):
-        idx = (ukey >> shift) & 255
-        idx += base
-        idx.masked_fill_((ukey >> (shift + 8)) != prefix, r * 256)  # outside the bucket
+        digit = (key >> shift) & 255
+        if shift == 24:
+            digit ^= 128  # the top byte is signed: unsigned digit = byte + 128
+        idx = digit.to(torch.int64).add_(base)
+        del digit
+        if shift < 24:  # only the tokens inside the bucket chosen so far
+            idx.masked_fill_((key >> (shift + 8)) != prefix, r * 256)
         flat = idx.view(-1)
-        cnt = torch.zeros(r * 256 + 1, dtype=torch.float64, device=device)
-        cnt.scatter_add_(0, flat, ones)
-        mass = torch.zeros(r * 256 + 1, dtype=torch.float64, device=device)
-        mass.scatter_add_(0, flat, prob.view(-1))
+        if device.type == "cpu":  # same sums; bincount is faster there (it syncs on CUDA)
+            cnt = torch.bincount(flat, minlength=r * 256 + 1).double()
+            mass = torch.bincount(flat, prob.view(-1), minlength=r * 256 + 1)
+        else:
+            cnt = torch.zeros(r * 256 + 1, dtype=torch.float64, device=device)
+            cnt.scatter_add_(0, flat, ones)
+            mass = torch.zeros(r * 256 + 1, dtype=torch.float64, device=device)
+            mass.scatter_add_(0, flat, prob.view(-1))
         del idx, flat
-        cnt, mass = cnt[:-1].view(r, 256), mass[:-1].view(r, 256)
+        cnt, mass = cnt[: r * 256].view(r, 256), mass[: r * 256].view(r, 256)
         # strictly above bin b: the bins above it in this bucket plus everything above the bucket
         cnt_above = above_n + (cnt.flip(1).cumsum(1).flip(1) - cnt)
         mass_above = above_m + (mass.flip(1).cumsum(1).flip(1) - mass)
@@ -1331,27 +1339,19 @@ def _sample_rows_torch(
         pick = torch.where(ok, bins, 256).amin(dim=1, keepdim=True).clamp_max(255)
         above_n = cnt_above.gather(1, pick)
         above_m = mass_above.gather(1, pick)
-        prefix = prefix * 256 + pick
-    del ukey, prob
-    t_kp = _from_ordered_keys((prefix.view(r) - (1 << 31)).to(torch.int32))
+        prefix = prefix * 256 + (pick - 128 if shift == 24 else pick)
+    del key
+    t_kp = _from_ordered_keys(prefix.view(r).to(torch.int32))
     thr = torch.maximum(t_kp, peak + log_mp)
-    thr = torch.where(greedy | torch.isneginf(peak), peak, thr)
-    best = torch.full((r,), _NEG_INF, dtype=torch.float64, device=device)
-    best_i = torch.zeros(r, dtype=torch.int64, device=device)
-    for start in range(0, vocab, _TORCH_NOISE_COLS):
-        part = s[:, start : start + _TORCH_NOISE_COLS]
-        gumbel = torch.rand(
-            part.shape, dtype=torch.float64, device=device, generator=generator
-        )
-        gumbel.log_().neg_().log_().neg_()  # -log(-log u); u = 0 gives -inf
-        score = torch.where(
-            part >= thr.view(r, 1), gumbel.add_(part), torch.full_like(gumbel, _NEG_INF)
-        )
-        val, arg = score.max(dim=1)
-        better = val > best
-        best = torch.where(better, val, best)
-        best_i = torch.where(better, arg + start, best_i)
-    token = torch.where(greedy | torch.isneginf(peak), s.argmax(dim=1), best_i)
+    empty = greedy | torch.isneginf(peak)
+    thr = torch.where(empty, peak, thr)
+    # inverse CDF over the kept mass in vocabulary order
+    cdf = torch.where(s >= thr.view(r, 1), prob, 0.0)
+    del prob
+    cdf = cdf.cumsum_(dim=1)
+    u = torch.rand(r, 1, dtype=torch.float64, device=device, generator=generator)
+    drawn = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).view(r)
+    token = torch.where(empty, s.argmax(dim=1), drawn.clamp_max(vocab - 1))
     return token, thr
 
 
