@@ -1157,18 +1157,33 @@ def verify_sampling_reference(
     candidates: Tensor,
     next_token: Tensor,
     next_sibling: Tensor,
-    target_probs: Tensor,
+    target_probs: Tensor | None,
     max_accept: int,
     generator: torch.Generator | None = None,
+    *,
+    samples: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Lossless sampling walk: one target sample per node, followed when it is a child.
 
-    ``target_probs [bs, N, V]`` float32 are the target's (already filtered) distributions at
-    every node. Each visited node's sample is a draw from the target's conditional, and the
-    bonus is the sample at the last accepted node, so the emitted tokens are distributed
-    exactly as target decoding. Returns the same triple as :func:`verify_greedy_reference`.
+    Either ``target_probs [bs, N, V]`` float32, the target's (already filtered) distributions at
+    every node, from which one token per node is drawn with ``torch.multinomial``; or
+    ``samples [bs, N]`` int64, one draw per node already made (:func:`sample_tree_targets`), in
+    which case ``target_probs`` may be None. The bonus is the sample at the last accepted node, so
+    the emitted tokens are distributed exactly as target decoding: the draft tree is a
+    deterministic function of the drafter, and each visited node's sample is an independent draw
+    from the target's conditional there. Returns the same triple as
+    :func:`verify_greedy_reference` (which, given ``samples`` as ``target_predict``, is the same
+    walk; so is ``sgl_kernel.verify_tree_greedy`` on CUDA).
     """
     bs, n = candidates.shape
+    if samples is not None:
+        if tuple(samples.shape) != (bs, n):
+            raise ValueError(
+                f"samples must be [bs, N] = {(bs, n)}, got {tuple(samples.shape)}"
+            )
+        return _walk(candidates, next_token, next_sibling, samples, max_accept)
+    if target_probs is None:
+        raise ValueError("verify_sampling_reference needs target_probs or samples")
     if bs == 0:
         return _walk(candidates, next_token, next_sibling, candidates, max_accept)
     probs = target_probs.reshape(bs * n, -1).float()
@@ -1176,55 +1191,514 @@ def verify_sampling_reference(
     return _walk(candidates, next_token, next_sibling, sample, max_accept)
 
 
+# ----------------------------------------------------------------------------------------------
+# Target sampling: SGLang's plain sampler, one draw per row, bounded memory, no host sync
+# ----------------------------------------------------------------------------------------------
+#
+# Semantics (SGLang's own sampler with its default joint top-k/top-p rule; see docs/DDTREE.md):
+# with s = logits / temperature (float32) and p = softmax(s), token i is kept iff
+#
+#     #{j : s_j > s_i} < top_k  and  sum{p_j : s_j > s_i} < top_p  and  s_i >= max(s) + log(min_p)
+#
+# (top_k <= 0 or >= V: no limit; top_p >= 1: no limit, exactly; min_p <= 0: no limit), and the
+# sample is drawn from p restricted to the kept tokens, renormalised. Every condition is monotone
+# in s_i, so the kept set is {s >= t} for one threshold t per row, and tokens tied at t are all
+# kept. Greedy rows (temperature < 1e-6, SGLang's _SAMPLING_EPS, or top_k == 1, which is how
+# SGLang stores a greedy request) give the argmax, the lowest index among equal maxima.
+#
+# Finding t without sorting. Order floats by their "ordered key" (the int32 bit pattern with the
+# magnitude bits flipped for negatives, -0.0 normalised to +0.0), so key order is value order.
+# Q(v) = #{s > v} < top_k and mass{s > v} < top_p is monotone, t = the smallest token value with
+# Q true. The Triton kernel keeps two keys lo < hi with Q(lo) false (or lo below every candidate)
+# and Q(hi) true, and each pass over the row evaluates Q at NP keys spread over [lo, hi]
+# (count and mass strictly above each), moving lo and hi to the tightest ones; it stops when no
+# token lies strictly between lo and hi, and then the kept set is {s >= hi} exactly. Each pass
+# shrinks hi - lo at least 15-fold, so at most ten passes, and usually two to six. The torch
+# path finds the same set with a 4-level 8-bit radix select on the keys (per-row histograms of
+# count and mass).
+#
+# Sampling: Gumbel-max (exponential race) over the kept tokens, argmax of s_i - log(E_i) with
+# E_i = -log(u_i) and u_i a 53-bit uniform in (0, 1) (float64), which is an exact draw from the
+# renormalised kept distribution up to the noise's resolution: a token can lose only where
+# its probability is below exp(-36) times the largest kept probability.
+
+_SAMPLING_EPS = 1e-6  # SGLang's sampling_params._SAMPLING_EPS: temperature below it is greedy
+_SAMPLE_BLOCK = 1024  # vocabulary columns per step of the linear passes (Triton)
+_SAMPLE_SBLOCK = 256  # columns per step of a search pass (x _SAMPLE_PIVOTS keys)
+_SAMPLE_PIVOTS = 16  # keys evaluated per search pass (lo, hi and 14 between)
+_SAMPLE_MAX_PASSES = 48  # guard only: a pass shrinks hi - lo >= 15-fold, 2**32 keys
+_TORCH_WORK_ELEMS = 1 << 20  # torch path: rows per chunk = this // V (at least one)
+
+
+def _per_row(
+    v: Tensor | float | int | None,
+    rows: int,
+    fill: float,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> Tensor:
+    """``[rows]`` tensor from a scalar, a ``[rows]`` tensor or None (``fill``)."""
+    if v is None:
+        return torch.full((rows,), fill, dtype=dtype, device=device)
+    t = torch.as_tensor(v, device=device).to(dtype)
+    if t.dim() == 0:
+        return t.expand(rows)
+    if t.numel() != rows:
+        raise ValueError(
+            f"per-row sampling parameter has {t.numel()} values for {rows} rows"
+        )
+    return t.reshape(rows)
+
+
+def _sampling_rows(
+    rows: int,
+    vocab: int,
+    device: torch.device,
+    temperature: Tensor | float,
+    top_k: Tensor | int | None,
+    top_p: Tensor | float | None,
+    min_p: Tensor | float | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Normalised per-row parameters: ``(temp f32 (1 for greedy rows), k i64 in 1..V,
+    p f32 (+inf = no top-p), log_min_p f32 (-inf = no min-p), greedy bool)``. No host sync."""
+    temp = _per_row(temperature, rows, 1.0, torch.float32, device)
+    kk = _per_row(top_k, rows, 0, torch.int64, device)
+    pp = _per_row(top_p, rows, 1.0, torch.float32, device)
+    mp = _per_row(min_p, rows, 0.0, torch.float32, device)
+    greedy = (temp < _SAMPLING_EPS) | (kk == 1)
+    temp = torch.where(greedy, torch.ones_like(temp), temp)
+    kk = torch.where((kk <= 0) | (kk >= vocab), torch.full_like(kk, vocab), kk)
+    pp = torch.where(pp >= 1.0, torch.full_like(pp, math.inf), pp)
+    log_mp = torch.where(
+        mp > 0, torch.log(mp.clamp_min(1e-38)), torch.full_like(mp, _NEG_INF)
+    )
+    return temp, kk, pp, log_mp, greedy
+
+
+def _ordered_keys(s: Tensor) -> Tensor:
+    """int32 keys whose order is the float32 order of ``s`` (no NaN; -0.0 already +0.0)."""
+    bits = s.view(torch.int32)
+    return torch.where(bits >= 0, bits, bits ^ _MAG31)
+
+
+def _from_ordered_keys(keys: Tensor) -> Tensor:
+    return torch.where(keys >= 0, keys, keys ^ _MAG31).view(torch.float32)
+
+
+def _sample_rows_torch(
+    x: Tensor,
+    temp: Tensor,
+    kk: Tensor,
+    pp: Tensor,
+    log_mp: Tensor,
+    greedy: Tensor,
+    generator: torch.Generator | None,
+) -> tuple[Tensor, Tensor]:
+    """One chunk of rows: ``x [r, V]`` -> ``(token [r] int64, threshold [r] f32)`` (kept set
+    ``s >= threshold``). Radix select (4 levels of 8 bits) for the top-k/top-p threshold, then
+    inverse-CDF sampling of the kept mass with one float64 uniform per row."""
+    r, vocab = x.shape
+    device = x.device
+    s = x.float() / temp.view(r, 1)
+    s.add_(0.0)  # -0.0 -> +0.0, so key order equals value order
+    peak = s.amax(dim=1)
+    lse = torch.logsumexp(s, dim=1)
+    key = _ordered_keys(s)  # [r, V] int32, signed order = value order
+    prob = (s.double() - lse.double().view(r, 1)).exp_()  # [r, V] float64
+    base = torch.arange(r, device=device).view(r, 1) * 256
+    bins = torch.arange(256, device=device).view(1, 256)
+    prefix = torch.zeros(r, 1, dtype=torch.int64, device=device)  # key >> (shift + 8)
+    above_n = torch.zeros(r, 1, dtype=torch.float64, device=device)
+    above_m = torch.zeros(r, 1, dtype=torch.float64, device=device)
+    ones = torch.ones(1, dtype=torch.float64, device=device).expand(r * vocab)
+    for shift in (24, 16, 8, 0):
+        digit = (key >> shift) & 255
+        if shift == 24:
+            digit ^= 128  # the top byte is signed: unsigned digit = byte + 128
+        idx = digit.to(torch.int64).add_(base)
+        del digit
+        if shift < 24:  # only the tokens inside the bucket chosen so far
+            idx.masked_fill_((key >> (shift + 8)) != prefix, r * 256)
+        flat = idx.view(-1)
+        if device.type == "cpu":  # same sums; bincount is faster there (it syncs on CUDA)
+            cnt = torch.bincount(flat, minlength=r * 256 + 1).double()
+            mass = torch.bincount(flat, prob.view(-1), minlength=r * 256 + 1)
+        else:
+            cnt = torch.zeros(r * 256 + 1, dtype=torch.float64, device=device)
+            cnt.scatter_add_(0, flat, ones)
+            mass = torch.zeros(r * 256 + 1, dtype=torch.float64, device=device)
+            mass.scatter_add_(0, flat, prob.view(-1))
+        del idx, flat
+        cnt, mass = cnt[: r * 256].view(r, 256), mass[: r * 256].view(r, 256)
+        # strictly above bin b: the bins above it in this bucket plus everything above the bucket
+        cnt_above = above_n + (cnt.flip(1).cumsum(1).flip(1) - cnt)
+        mass_above = above_m + (mass.flip(1).cumsum(1).flip(1) - mass)
+        ok = (
+            (cnt > 0)
+            & (cnt_above < kk.view(r, 1))
+            & (mass_above < pp.double().view(r, 1))
+        )
+        pick = torch.where(ok, bins, 256).amin(dim=1, keepdim=True).clamp_max(255)
+        above_n = cnt_above.gather(1, pick)
+        above_m = mass_above.gather(1, pick)
+        prefix = prefix * 256 + (pick - 128 if shift == 24 else pick)
+    del key
+    t_kp = _from_ordered_keys(prefix.view(r).to(torch.int32))
+    thr = torch.maximum(t_kp, peak + log_mp)
+    empty = greedy | torch.isneginf(peak)
+    thr = torch.where(empty, peak, thr)
+    # inverse CDF over the kept mass in vocabulary order
+    cdf = torch.where(s >= thr.view(r, 1), prob, 0.0)
+    del prob
+    cdf = cdf.cumsum_(dim=1)
+    u = torch.rand(r, 1, dtype=torch.float64, device=device, generator=generator)
+    drawn = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).view(r)
+    token = torch.where(empty, s.argmax(dim=1), drawn.clamp_max(vocab - 1))
+    return token, thr
+
+
+if triton is not None:
+
+    @triton.jit
+    def _key_of(s):
+        b = s.to(tl.int32, bitcast=True)
+        return tl.where(b >= 0, b, b ^ 0x7FFFFFFF)
+
+    @triton.jit
+    def _value_of(k):
+        b = tl.where(k >= 0, k, k ^ 0x7FFFFFFF)
+        return b.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _sample_rows_kernel(
+        x_ptr,  # [R, V] logits, any float dtype, row stride x_stride
+        temp_ptr,  # [R] f32 temperature (1 for greedy rows)
+        k_ptr,  # [R] i64 top_k in 1..V
+        p_ptr,  # [R] f32 top_p (+inf: no limit)
+        lmp_ptr,  # [R] f32 log(min_p) (-inf: no limit)
+        greedy_ptr,  # [R] i8
+        seed_ptr,  # [1] i64 Philox seed of this call
+        out_ptr,  # [R] i64 out: the sampled token
+        thr_ptr,  # [R] f32 out: the kept set is s >= thr
+        V,
+        x_stride,
+        BLOCK: tl.constexpr,
+        SBLOCK: tl.constexpr,
+        NP: tl.constexpr,
+        MAX_PASSES: tl.constexpr,
+    ):
+        NEG = float("-inf")
+        row = tl.program_id(0).to(tl.int64)
+        x_row = x_ptr + row * x_stride
+        temp = tl.load(temp_ptr + row)
+        greedy = tl.load(greedy_ptr + row) != 0
+        offs = tl.arange(0, BLOCK)
+        # pass 1: max, sum of exp (online), smallest finite value, first argmax
+        m_v = tl.full([BLOCK], NEG, tl.float32)
+        z_v = tl.zeros([BLOCK], tl.float32)
+        lo_v = tl.full([BLOCK], float("inf"), tl.float32)
+        arg_v = tl.full([BLOCK], V, tl.int32)
+        for start in range(0, V, BLOCK):
+            cols = start + offs
+            s = tl.load(x_row + cols, mask=cols < V, other=NEG).to(tl.float32)
+            s = s / temp + 0.0
+            arg_v = tl.where(s > m_v, cols, arg_v)
+            m_new = tl.maximum(m_v, s)
+            shift = tl.where(m_new > NEG, m_new, 0.0)  # lanes still all -inf add 0
+            z_v = z_v * tl.exp(m_v - shift) + tl.exp(s - shift)
+            m_v = m_new
+            lo_v = tl.minimum(lo_v, tl.where(s > NEG, s, float("inf")))
+        peak = tl.max(m_v, axis=0)
+        z = tl.sum(z_v * tl.exp(m_v - tl.where(peak > NEG, peak, 0.0)), axis=0)
+        lse = peak + tl.log(z)
+        s_min = tl.min(lo_v, axis=0)
+        arg = tl.min(tl.where(m_v == peak, arg_v, V), axis=0)
+        arg = tl.where(arg >= V, 0, arg)
+        sample = ~greedy & (peak > NEG)
+
+        kk = tl.load(k_ptr + row)
+        pp = tl.load(p_ptr + row)
+        t_lo = tl.maximum(peak + tl.load(lmp_ptr + row), s_min)
+        lo = _key_of(t_lo) - 1  # Q(lo) is taken as false: no candidate lies at or below lo
+        hi = _key_of(peak)  # Q(max) is true: nothing lies strictly above the max
+        search = sample & ((kk < V) | (pp < float("inf")))
+        inside = tl.where(search, 1, 0)
+        passes = 0
+        c = tl.arange(0, NP)
+        soffs = tl.arange(0, SBLOCK)
+        while (inside > 0) & (passes < MAX_PASSES):
+            lo64 = lo.to(tl.int64)
+            hi64 = hi.to(tl.int64)
+            piv = lo64 + ((hi64 - lo64) * c) // (NP - 1)
+            mid = (c > 0) & (c < NP - 1)
+            piv = tl.where(mid, tl.minimum(tl.maximum(piv, lo64 + 1), hi64 - 1), piv)
+            piv = piv.to(tl.int32)
+            n_gt = tl.zeros([NP], tl.int32)
+            n_eq = tl.zeros([NP], tl.int32)
+            m_gt = tl.zeros([NP], tl.float64)
+            for start in range(0, V, SBLOCK):
+                cols = start + soffs
+                s = tl.load(x_row + cols, mask=cols < V, other=NEG).to(tl.float32)
+                s = s / temp + 0.0
+                key = _key_of(s)
+                prob = tl.exp(s - lse)
+                gt = key[:, None] > piv[None, :]
+                n_gt += tl.sum(gt.to(tl.int32), axis=0)
+                n_eq += tl.sum((key[:, None] == piv[None, :]).to(tl.int32), axis=0)
+                m_gt += tl.sum(tl.where(gt, prob[:, None], 0.0), axis=0).to(tl.float64)
+            q = (n_gt < kk) & (m_gt < pp.to(tl.float64))
+            q = (q & (c > 0)) | (c == NP - 1)
+            new_lo = tl.max(tl.where(q, -2147483647 - 1, piv), axis=0)
+            new_hi = tl.min(tl.where(q, piv, 2147483647), axis=0)
+            gt_lo = tl.min(tl.where(q, 2147483647, n_gt), axis=0)
+            ge_hi = tl.max(tl.where(q, n_gt + n_eq, 0), axis=0)
+            inside = gt_lo - ge_hi
+            lo = new_lo
+            hi = new_hi
+            passes += 1
+        thr_key = tl.where(search, hi, lo + 1)
+        thr = tl.where(sample, _value_of(thr_key), peak)
+
+        # last pass: Gumbel-max over s >= thr (chunks without a kept token draw no noise)
+        best_v = tl.full([BLOCK], NEG, tl.float64)
+        best_i = tl.full([BLOCK], V, tl.int32)
+        if sample:
+            seed = tl.load(seed_ptr) + row
+            for start in range(0, V, BLOCK):
+                cols = start + offs
+                s = tl.load(x_row + cols, mask=cols < V, other=NEG).to(tl.float32)
+                s = s / temp + 0.0
+                keep = (s >= thr) & (cols < V)
+                if tl.max(keep.to(tl.int32), axis=0) > 0:
+                    r0, r1, r2, r3 = tl.randint4x(seed, cols)
+                    u = ((r0 >> 5).to(tl.float64) * 67108864.0 + (r1 >> 6).to(tl.float64) + 0.5) * (1.0 / 9007199254740992.0)  # fmt: skip
+                    score = tl.where(keep, s.to(tl.float64) - tl.log(-tl.log(u)), NEG)
+                    better = score > best_v
+                    best_v = tl.where(better, score, best_v)
+                    best_i = tl.where(better, cols, best_i)
+        top = tl.max(best_v, axis=0)
+        drawn = tl.min(tl.where(best_v == top, best_i, V), axis=0)
+        drawn = tl.where(drawn >= V, arg, drawn)
+        tl.store(out_ptr + row, tl.where(sample, drawn, arg).to(tl.int64))
+        tl.store(thr_ptr + row, thr)
+
+
+def _sample_rows_triton(
+    logits: Tensor,
+    temp: Tensor,
+    kk: Tensor,
+    pp: Tensor,
+    log_mp: Tensor,
+    greedy: Tensor,
+    generator: torch.Generator | None,
+) -> tuple[Tensor, Tensor]:
+    rows, vocab = logits.shape
+    x = logits if logits.stride(-1) == 1 else logits.contiguous()
+    device = x.device
+    seed = torch.randint(
+        0, 1 << 62, (1,), dtype=torch.int64, device=device, generator=generator
+    )
+    token = torch.empty(rows, dtype=torch.int64, device=device)
+    thr = torch.empty(rows, dtype=torch.float32, device=device)
+    _sample_rows_kernel[(rows,)](
+        x, temp.contiguous(), kk.contiguous(), pp.contiguous(), log_mp.contiguous(),
+        greedy.to(torch.int8), seed, token, thr, vocab, x.stride(0),
+        BLOCK=_SAMPLE_BLOCK, SBLOCK=_SAMPLE_SBLOCK, NP=_SAMPLE_PIVOTS,
+        MAX_PASSES=_SAMPLE_MAX_PASSES, num_warps=8,
+    )  # fmt: skip
+    return token, thr
+
+
+def _sample_with_threshold(
+    logits: Tensor,
+    temperature: Tensor | float,
+    top_k: Tensor | int | None,
+    top_p: Tensor | float | None,
+    min_p: Tensor | float | None,
+    generator: torch.Generator | None,
+    backend: str,
+) -> tuple[Tensor, Tensor]:
+    """:func:`sample_from_logits` plus each row's threshold in ``s = logits / temperature``
+    (the kept set is ``s >= threshold``; for greedy rows the threshold is the maximum)."""
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [R, V], got shape {tuple(logits.shape)}")
+    if not logits.is_floating_point():
+        raise ValueError(f"logits must be a float tensor, got {logits.dtype}")
+    rows, vocab = logits.shape
+    device = logits.device
+    if vocab < 1:
+        raise ValueError("logits must have at least one column")
+    if generator is not None and generator.device.type != device.type:
+        raise ValueError(
+            f"generator is on {generator.device}, logits on {device}: they must match"
+        )
+    params = _sampling_rows(rows, vocab, device, temperature, top_k, top_p, min_p)
+    if rows == 0:
+        return (
+            torch.zeros(0, dtype=torch.int64, device=device),
+            torch.zeros(0, dtype=torch.float32, device=device),
+        )
+    if _triton_ok(device, backend):
+        return _sample_rows_triton(logits, *params, generator)
+    step = max(1, _TORCH_WORK_ELEMS // vocab)
+    tokens, thrs = [], []
+    for start in range(0, rows, step):
+        part = slice(start, start + step)
+        token, thr = _sample_rows_torch(
+            logits[part], *(p[part] for p in params), generator
+        )
+        tokens.append(token)
+        thrs.append(thr)
+    return torch.cat(tokens), torch.cat(thrs)
+
+
+def sample_from_logits(
+    logits: Tensor,
+    temperature: Tensor | float,
+    top_k: Tensor | int | None,
+    top_p: Tensor | float | None,
+    min_p: Tensor | float | None = None,
+    *,
+    max_top_k: int | None = None,
+    generator: torch.Generator | None = None,
+    backend: str = "auto",
+) -> Tensor:
+    """One draw per row from SGLang's plain target sampler, without dense probabilities.
+
+    Args:
+        logits: ``[R, V]`` float (fp32/bf16/fp16; not modified), after penalties/bias.
+        temperature: ``[R]`` float32 (or a float); below 1e-6 (SGLang's ``_SAMPLING_EPS``)
+            means greedy.
+        top_k: ``[R]`` int (or an int/None); <= 0 or >= V (SGLang's unset 1 << 30) means no
+            limit; 1 means greedy (SGLang stores greedy requests as top_k = 1).
+        top_p: ``[R]`` float32 (or a float/None) in (0, 1]; >= 1 keeps every token, exactly.
+        min_p: ``[R]`` float32 (or a float/None); <= 0 means no limit.
+        max_top_k: an optional host-side upper bound on the finite top_k values. Neither backend
+            needs it (top-k is a count in the threshold search, whatever its size); accepted so
+            callers can pass what they know.
+        generator: optional ``torch.Generator`` on the logits' device (the Triton kernel draws
+            one Philox seed from it per call, the torch path its uniforms).
+        backend: ``"auto"`` = one Triton kernel on CUDA (one program per row), else chunked
+            torch ops; ``"torch"``; ``"triton"`` (CUDA, or the CPU under TRITON_INTERPRET=1).
+
+    Returns ``[R]`` int64 token ids. Semantics (module comment above and docs/DDTREE.md): keep
+    token i iff fewer than top_k tokens have a strictly larger ``s = logits / temperature``, the
+    probability mass of the strictly larger tokens is below top_p, and ``p_i >= min_p * p_max``;
+    draw from the kept tokens renormalised. Ties at the threshold are all kept; greedy rows
+    give the first argmax. No host synchronisation and fixed shapes on either backend (CUDA
+    graph capturable; the Triton path allocates only ``O(R)``, the torch path works on at most
+    ``max(1, 2**20 // V)`` rows at a time). Rows whose logits are all -inf give token 0; NaN or
+    +inf logits are not supported.
+    """
+    if max_top_k is not None and max_top_k < 1:
+        raise ValueError(f"max_top_k must be >= 1 when given, got {max_top_k}")
+    token, _ = _sample_with_threshold(
+        logits, temperature, top_k, top_p, min_p, generator, backend
+    )
+    return token
+
+
+def sample_tree_targets(
+    logits: Tensor,
+    temperature: Tensor,
+    top_k: Tensor,
+    top_p: Tensor,
+    min_p: Tensor | None,
+    n_per_req: int,
+    *,
+    max_top_k: int | None = None,
+    generator: torch.Generator | None = None,
+    backend: str = "auto",
+) -> Tensor:
+    """One target sample per tree node, for the sampling verify.
+
+    Args:
+        logits: ``[bs * N, V]`` verify logits, request-major (row ``b * N + i`` = node ``i`` of
+            request ``b``), after penalties/bias.
+        temperature, top_k, top_p, min_p: ``[bs]`` per-request parameters (SGLang's
+            ``sampling_info.temperatures`` (may be ``[bs, 1]``), ``top_ks``, ``top_ps``,
+            ``min_ps``); expanded to rows with ``repeat_interleave`` by the static ``N`` (no
+            host sync).
+        n_per_req: ``N = B + 1`` verify tokens per request.
+
+    Returns ``[bs, N]`` int64: pass it as ``target_predict`` to ``sgl_kernel.verify_tree_greedy``
+    (or :func:`verify_greedy_reference`), or as ``samples=`` to
+    :func:`verify_sampling_reference`; the walk is then lossless target sampling.
+    """
+    if n_per_req < 1:
+        raise ValueError(f"n_per_req must be >= 1, got {n_per_req}")
+    rows = logits.shape[0]
+    if rows % n_per_req:
+        raise ValueError(
+            f"logits has {rows} rows, not a multiple of n_per_req = {n_per_req}"
+        )
+    bs = rows // n_per_req
+
+    def expand(v: Tensor | None) -> Tensor | None:
+        if v is None:
+            return None
+        v = torch.as_tensor(v, device=logits.device).reshape(-1)
+        if v.numel() != bs:
+            raise ValueError(f"per-request parameter has {v.numel()} values for {bs} requests")
+        return v.repeat_interleave(n_per_req)
+
+    token = sample_from_logits(
+        logits,
+        expand(temperature),
+        expand(top_k),
+        expand(top_p),
+        expand(min_p),
+        max_top_k=max_top_k,
+        generator=generator,
+        backend=backend,
+    )
+    return token.view(bs, n_per_req)
+
+
 def target_probs_from_logits(
     logits: Tensor,
     temperature: Tensor | float,
     top_k: Tensor | int | None = None,
     top_p: Tensor | float | None = None,
+    min_p: Tensor | float | None = None,
 ) -> Tensor:
-    """Target distributions with temperature, top-k and top-p applied (renormalised).
+    """Dense reference of :func:`sample_from_logits`: the filtered, renormalised distributions.
 
-    Semantics are top-k first, as SGLang's DFLASH verify and its default (flashinfer) sampler:
-    keep the top-k tokens, renormalise, then keep the smallest prefix of that distribution
-    whose mass reaches top_p (at least one token), and renormalise again.
+    Same semantics (SGLang's joint top-k/top-p rule on the unrenormalised probabilities, min-p
+    relative to the largest probability, exact top_p = 1, greedy = one-hot at the first argmax),
+    computed with a full sort and float64 masses. For tests and the CPU; it allocates several
+    dense ``[..., V]`` tensors, so the verify uses :func:`sample_tree_targets` instead.
 
     Args:
         logits: ``[bs, N, V]`` (or ``[bs, V]``).
-        temperature: float or ``[bs]``; values <= 1e-5 give a one-hot argmax.
-        top_k: int or ``[bs]``; <= 0 or >= V means no limit.
-        top_p: float or ``[bs]`` in (0, 1].
+        temperature, top_k, top_p, min_p: a number or ``[bs]`` (one per request, shared by its N
+            rows), as in :func:`sample_from_logits`.
 
-    Returns float32 probabilities of the same shape. When every row has a top-k limit the
-    filter runs on the top-k candidates only (no full-vocabulary sort).
+    Returns float32 probabilities of the same shape.
     """
     squeeze = logits.dim() == 2
     x = logits.unsqueeze(1) if squeeze else logits
-    bs, _, vocab = x.shape
+    bs, n, vocab = x.shape
     device = x.device
-
-    def per_req(v: Tensor | float | None, fill: float) -> Tensor:
-        if v is None:
-            v = fill
-        t = torch.as_tensor(v, dtype=torch.float32, device=device)
-        return t.expand(bs).reshape(bs, 1, 1) if t.dim() == 0 else t.reshape(bs, 1, 1)
-
-    temp = per_req(temperature, 1.0)
-    greedy = temp <= 1e-5
-    scaled = x.float() / torch.where(greedy, 1.0, temp)
-    kk = per_req(top_k, 0.0)
-    kk = torch.where((kk <= 0) | (kk >= vocab), float(vocab), kk)  # [bs, 1, 1], 1..V
-    pp = per_req(top_p, 1.0)
-    # Candidates: the top-k_max logits (all of V when some row has no limit), sorted.
-    k_max = int(kk.max().item()) if bs > 0 else vocab
-    vals, idx = torch.topk(scaled, k_max, dim=-1, sorted=True)  # [bs, N, k_max]
-    ranks = torch.arange(k_max, device=device).view(1, 1, k_max)
-    vals = vals.masked_fill(ranks >= kk, float("-inf"))
-    cand = torch.softmax(vals, dim=-1)  # top-k renormalised
-    mass_before = torch.cumsum(cand, dim=-1) - cand
-    cand = torch.where((mass_before < pp) | (ranks == 0), cand, 0.0)
-    cand = cand / cand.sum(dim=-1, keepdim=True)
-    kept = torch.zeros_like(scaled).scatter(-1, idx, cand)
-    onehot = torch.zeros_like(scaled).scatter(-1, x.argmax(dim=-1, keepdim=True), 1.0)
+    temp, kk, pp, log_mp, greedy = (
+        t.reshape(bs, 1, 1)
+        for t in _sampling_rows(bs, vocab, device, temperature, top_k, top_p, min_p)
+    )
+    s = x.float() / temp + 0.0
+    desc = torch.sort(s, dim=-1, descending=True).values
+    prob = torch.softmax(desc.double(), dim=-1)
+    # for every token: how many tokens, and how much mass, lie strictly above it
+    n_gt = torch.searchsorted(-desc.contiguous(), -s.contiguous(), right=False)
+    mass_before = torch.cat(
+        [torch.zeros_like(prob[..., :1]), prob.cumsum(dim=-1)], dim=-1
+    )
+    m_gt = mass_before.gather(-1, n_gt)
+    peak = desc[..., :1]
+    keep = (n_gt < kk) & (m_gt < pp.double()) & (s >= peak + log_mp)
+    p_all = torch.softmax(s.double(), dim=-1)
+    kept = torch.where(keep, p_all, 0.0)
+    kept = (kept / kept.sum(dim=-1, keepdim=True)).float()
+    onehot = torch.zeros_like(s).scatter(-1, s.argmax(dim=-1, keepdim=True), 1.0)
     out = torch.where(greedy, onehot, kept)
     return out.squeeze(1) if squeeze else out
 

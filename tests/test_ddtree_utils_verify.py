@@ -160,23 +160,21 @@ def test_sampling_walk_deterministic_with_generator():
 def python_filter(
     row: list[float], temp: float, top_k: int, top_p: float
 ) -> list[float]:
-    """Top-k first, renormalise, then top-p on the renormalised mass (SGLang's DFLASH order)."""
-    if temp <= 1e-5:
+    """SGLang's joint rule token by token: keep i iff fewer than top_k tokens and less than
+    top_p of the (unrenormalised) mass lie strictly above it; renormalise."""
+    if temp < 1e-6 or top_k == 1:
         best = max(range(len(row)), key=lambda i: (row[i], -i))
         return [1.0 if i == best else 0.0 for i in range(len(row))]
-    probs = torch.softmax(torch.tensor(row) / temp, -1).tolist()
-    order = sorted(range(len(row)), key=lambda i: -probs[i])
-    if top_k > 0:
-        order = order[:top_k]
-    top_mass = sum(probs[i] for i in order)
-    keep, mass = [], 0.0
-    for rank, i in enumerate(order):
-        if rank > 0 and mass >= top_p:
-            break
-        keep.append(i)
-        mass += probs[i] / top_mass
-    total = sum(probs[i] for i in keep)
-    return [probs[i] / total if i in keep else 0.0 for i in range(len(row))]
+    s = (torch.tensor(row) / temp).tolist()
+    probs = torch.softmax(torch.tensor(s, dtype=torch.float64), -1).tolist()
+    keep = []
+    for i in range(len(row)):
+        above = [j for j in range(len(row)) if s[j] > s[i]]
+        ok_k = top_k <= 0 or len(above) < top_k
+        ok_p = top_p >= 1 or sum(probs[j] for j in above) < top_p
+        keep.append(ok_k and ok_p)
+    total = sum(p for p, k in zip(probs, keep) if k)
+    return [p / total if k else 0.0 for p, k in zip(probs, keep)]
 
 
 def test_target_probs_from_logits():
@@ -185,7 +183,7 @@ def test_target_probs_from_logits():
     temp = torch.tensor([0.0, 0.7, 1.0, 1.3])
     top_k = torch.tensor([0, 3, 0, 5])
     top_p = torch.tensor([1.0, 1.0, 0.6, 0.8])
-    # row 3 sets both: top-k first, then top-p on the renormalised top-k mass
+    # row 3 sets both: the joint rule (top-p on the unrenormalised mass)
     probs = du.target_probs_from_logits(logits, temp, top_k, top_p)
     assert probs.shape == logits.shape and probs.dtype == torch.float32
     for b in range(4):
@@ -279,12 +277,11 @@ def test_empty_batch_verify_and_plan():
     )
 
 
-def test_target_probs_top_k_applies_before_top_p():
-    # probs 0.4/0.3/0.2/0.1, top_k=2, top_p=0.5: after top-k the first token holds 4/7 >= 0.5, so
-    # only it survives; top-p on the full distribution (0.4 < 0.5) would have kept two tokens.
+def test_target_probs_top_p_counts_the_unrenormalised_mass():
+    # probs 0.4/0.3/0.2/0.1, top_k=2, top_p=0.5: the joint rule keeps token 1 (0.4 < 0.5 lies
+    # above it); top-k-then-renormalise (4/7 >= 0.5) would keep token 0 only
     logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1]]))
     probs = du.target_probs_from_logits(logits, 1.0, 2, 0.5)
-    assert torch.allclose(probs, torch.tensor([[1.0, 0.0, 0.0, 0.0]]), atol=1e-6)
-    # top_p=0.6 keeps both top-k tokens, renormalised over them
-    probs = du.target_probs_from_logits(logits, 1.0, 2, 0.6)
-    assert torch.allclose(probs, torch.tensor([[4 / 7, 3 / 7, 0.0, 0.0]]), atol=1e-6)
+    want = torch.tensor(python_filter(logits[0].tolist(), 1.0, 2, 0.5)).unsqueeze(0)
+    assert torch.allclose(probs, want, atol=1e-6)
+    assert (probs[0] > 0).tolist() == [True, True, False, False]

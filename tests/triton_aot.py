@@ -48,6 +48,11 @@ COMPILE = {"tok_ptr": "*i64", "par_ptr": "*i64", "dep_ptr": "*i64", "valid_ptr":
            "STEPS": "i32"}  # fmt: skip
 SUMEXP = {"x_ptr": "*bf16", "shift_ptr": "*fp32", "out_ptr": "*fp32", "V": "i32",
           "x_stride": "i32", "NC": "i32"}  # fmt: skip
+SAMPLE = {"x_ptr": "*fp32", "temp_ptr": "*fp32", "k_ptr": "*i64", "p_ptr": "*fp32",
+          "lmp_ptr": "*fp32", "greedy_ptr": "*i8", "seed_ptr": "*i64", "out_ptr": "*i64",
+          "thr_ptr": "*fp32", "V": "i32", "x_stride": "i32"}  # fmt: skip
+SAMPLE_CONSTS = {"BLOCK": du._SAMPLE_BLOCK, "SBLOCK": du._SAMPLE_SBLOCK,
+                 "NP": du._SAMPLE_PIVOTS, "MAX_PASSES": du._SAMPLE_MAX_PASSES}  # fmt: skip
 
 CASES = [
     # (kernel, argument types, constexprs, warps): the block sizes the wrappers pick for B = 1, 15,
@@ -61,6 +66,9 @@ CASES = [
     (du._ddtree_compile_kernel, COMPILE, {"NB": 1024, "DB": 16, "RB": 8}, 16),
     (du._sumexp_partial_kernel, SUMEXP, {"CHUNK": 128}, 8),
     (du._sumexp_partial_kernel, SUMEXP, {"CHUNK": 8192}, 8),
+    # the target sampler as sample_from_logits launches it, fp32 and bf16 logits
+    (du._sample_rows_kernel, SAMPLE, SAMPLE_CONSTS, 8),
+    (du._sample_rows_kernel, {**SAMPLE, "x_ptr": "*bf16"}, SAMPLE_CONSTS, 8),
 ]
 
 

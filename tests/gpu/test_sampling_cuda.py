@@ -1,0 +1,108 @@
+"""sample_from_logits on CUDA: no host sync, CUDA-graph capturable, bounded memory, same kept
+sets as the CPU reference, and the reference distribution. Run on the device with
+``python3 -m pytest --noconftest -q tests/gpu/test_sampling_cuda.py``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+import ddtree_utils as du
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+V = 151936
+
+
+def params(rows, top_k, top_p, device="cuda"):
+    return (
+        torch.full((rows,), 0.7, device=device),
+        torch.full((rows,), top_k, dtype=torch.int32, device=device),
+        torch.full((rows,), top_p, device=device),
+        torch.zeros(rows, device=device),
+    )
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_no_host_sync(backend):
+    x = torch.randn(64, V, device="cuda")
+    args = params(64, 1 << 30, 0.9)
+    du.sample_from_logits(x, *args, backend=backend)  # warm-up (compilation)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        du.sample_from_logits(x, *args, backend=backend)
+        du.sample_tree_targets(x, *(a[:16] for a in args), 4, backend=backend)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_cuda_graph_capture_and_replay(backend):
+    x = torch.randn(32, V, device="cuda")
+    args = params(32, 20, 0.9)
+    du.sample_from_logits(x, *args, backend=backend)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = du.sample_from_logits(x, *args, backend=backend)
+    graph.replay()
+    torch.cuda.synchronize()
+    top = x.topk(20, dim=-1).indices
+    assert bool((out.unsqueeze(-1) == top).any(-1).all())
+
+
+@pytest.mark.parametrize("rows", [256, 2048])
+def test_peak_extra_memory(rows):
+    """Triton path: O(R) bytes beyond the logits; torch path: one row chunk of temporaries."""
+    x = torch.randn(rows, V, device="cuda")
+    for backend, bound in (("triton", 64 * rows + (1 << 20)), ("torch", None)):
+        args = params(rows, 1 << 30, 0.9)
+        du.sample_from_logits(x, *args, backend=backend)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        du.sample_from_logits(x, *args, backend=backend)
+        torch.cuda.synchronize()
+        extra = torch.cuda.max_memory_allocated() - base
+        if bound is None:
+            chunk = max(1, du._TORCH_WORK_ELEMS // V)
+            bound = 48 * chunk * V + 64 * rows + (1 << 20)
+        assert extra <= bound, (backend, extra, bound)
+        assert extra <= 2 * x.numel() * x.element_size()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kept_sets_equal_cpu_reference(dtype):
+    gen = torch.Generator().manual_seed(5)
+    rows = 24
+    x = (torch.randn(rows, V, generator=gen) * torch.linspace(0.5, 8, rows).view(rows, 1)).to(dtype)
+    temp = torch.rand(rows, generator=gen) + 0.4
+    top_k = torch.tensor([1 << 30, 50, 0, 1000, 7, 1 << 30] * 4, dtype=torch.int32)
+    top_p = torch.tensor([0.9, 1.0, 0.5, 0.95, 1.0, 1.0] * 4)
+    min_p = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 0.05] * 4)
+    ref = du.target_probs_from_logits(x.float(), temp, top_k, top_p, min_p) > 0
+    _, thr = du._sample_with_threshold(
+        x.cuda(), temp.cuda(), top_k.cuda(), top_p.cuda(), min_p.cuda(), None, "triton"
+    )
+    kept = (x.float() / temp.view(rows, 1)) >= thr.cpu().view(rows, 1)
+    assert torch.equal(kept, ref)
+
+
+def test_distribution_matches_reference():
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(1, 64, generator=gen) * 2
+    want = du.target_probs_from_logits(x, 0.8, 10, 0.9, 0.02)[0]
+    n = 200000
+    tok = du.sample_from_logits(
+        x.cuda().expand(n, -1), 0.8, 10, 0.9, 0.02, backend="triton"
+    ).cpu()
+    counts = torch.bincount(tok, minlength=64).double()
+    keep = want > 0
+    assert counts[~keep].sum() == 0
+    exp = want[keep].double() / want[keep].double().sum() * n
+    assert chisquare(counts[keep].numpy(), exp.numpy()).pvalue > 1e-3

@@ -1,0 +1,389 @@
+"""Target sampling for the sampling verify: sample_from_logits / sample_tree_targets.
+
+The reference is SGLang's own plain sampler: ``top_k_top_p_min_p_sampling_from_probs_torch``
+from the installed sglang 0.5.13.post1 (its pytorch backend; the default flashinfer backend
+applies the same joint rule, see docs/DDTREE.md), fed with probabilities computed the way
+``Sampler.forward`` does (``logits / temperature`` then softmax). ``target_probs_from_logits``
+is the dense reference of the same semantics; the tests check it against SGLang's sampler and
+the batched sampler (both backends: torch, and the Triton kernel under TRITON_INTERPRET=1 as
+set by tests/conftest.py) against it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+import ddtree_utils as du
+
+ROOT = Path(__file__).resolve().parent.parent
+TOP_K_ALL = 1 << 30  # SGLang's stored "no top_k"
+
+
+def sglang_sampler():
+    sampler = pytest.importorskip("sglang.srt.layers.sampler")
+    return sampler.top_k_top_p_min_p_sampling_from_probs_torch
+
+
+def sglang_draws(logits_row, temp, top_k, top_p, min_p, n, seed):
+    """n draws from SGLang's real pytorch-backend sampler for one row of logits."""
+    fn = sglang_sampler()
+    logits = logits_row.float().unsqueeze(0).repeat(n, 1)
+    temps = torch.full((n, 1), float(temp))
+    probs = torch.softmax(logits / temps, dim=-1)  # Sampler.forward: div_, then softmax
+    torch.manual_seed(seed)  # the function draws with torch.multinomial's global generator
+    ids = fn(
+        probs,
+        torch.full((n,), top_k, dtype=torch.int32),
+        torch.full((n,), float(top_p)),
+        torch.full((n,), float(min_p)),
+        min_p > 0,
+        None,
+        torch.zeros(n, dtype=torch.int64),
+    )
+    return ids.long()
+
+
+def ours(logits_row, temp, top_k, top_p, min_p, n, seed, backend):
+    logits = logits_row.unsqueeze(0).expand(n, -1)
+    return du.sample_from_logits(
+        logits,
+        torch.full((n,), float(temp)),
+        torch.full((n,), top_k, dtype=torch.int32),
+        torch.full((n,), float(top_p)),
+        torch.full((n,), float(min_p)),
+        generator=torch.Generator().manual_seed(seed),
+        backend=backend,
+    )
+
+
+def fits(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Chi-square p-value of counts against probs on the support (and no draw outside it)."""
+    n = int(counts.sum())
+    support = probs > 0
+    assert counts[~support].sum() == 0, "a draw outside the kept set"
+    want = probs[support].double()
+    return chisquare(counts[support].double().numpy(), (want / want.sum() * n).numpy()).pvalue
+
+
+# (temperature, top_k, top_p, min_p): each filter alone, combinations, and the defaults
+CASES = [
+    (0.7, TOP_K_ALL, 1.0, 0.0),
+    (1.0, 4, 1.0, 0.0),
+    (0.8, TOP_K_ALL, 0.7, 0.0),
+    (1.2, TOP_K_ALL, 1.0, 0.15),
+    (0.9, 5, 0.8, 0.0),
+    (0.6, 6, 0.9, 0.05),
+    (1.5, TOP_K_ALL, 0.5, 0.0),
+]
+
+
+def row_logits(seed: int, vocab: int = 12) -> torch.Tensor:
+    return torch.randn(vocab, generator=torch.Generator().manual_seed(seed)) * 1.5
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_reference_matches_sglang_sampler(case):
+    """The dense reference is SGLang's plain sampler's distribution (chi-square, 30k draws)."""
+    temp, top_k, top_p, min_p = case
+    x = row_logits(hash(case) % 1000)
+    want = du.target_probs_from_logits(x.unsqueeze(0), temp, top_k, top_p, min_p)[0]
+    draws = sglang_draws(x, temp, top_k, top_p, min_p, 30000, seed=1)
+    counts = torch.bincount(draws, minlength=x.numel())
+    assert fits(counts, want) > 1e-3
+    # SGLang draws every token that the reference keeps with a sizeable expected count
+    assert bool((counts > 0)[want * 30000 >= 20].all())
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("case", CASES)
+def test_sampler_matches_reference(case, backend):
+    """sample_from_logits draws from the reference distribution; Triton via the interpreter."""
+    temp, top_k, top_p, min_p = case
+    x = row_logits(hash(case) % 1000)
+    want = du.target_probs_from_logits(x.unsqueeze(0), temp, top_k, top_p, min_p)[0]
+    n = 30000 if backend == "torch" else 3000  # the interpreter runs one program per row
+    draws = ours(x, temp, top_k, top_p, min_p, n, seed=2, backend=backend)
+    counts = torch.bincount(draws, minlength=x.numel())
+    assert fits(counts, want) > 1e-3
+
+
+def test_sampler_against_sglang_directly():
+    """Two-sample chi-square: our draws and SGLang's for the same row and parameters."""
+    x = row_logits(7, vocab=20)
+    for temp, top_k, top_p, min_p in CASES:
+        a = torch.bincount(sglang_draws(x, temp, top_k, top_p, min_p, 20000, 3), minlength=20)
+        b = torch.bincount(ours(x, temp, top_k, top_p, min_p, 20000, 4, "torch"), minlength=20)
+        used = (a + b) > 0
+        table = torch.stack([a[used], b[used]]).double()
+        expect = table.sum(0, keepdim=True) * table.sum(1, keepdim=True) / table.sum()
+        stat = ((table - expect) ** 2 / expect).sum()
+        from scipy.stats import chi2
+
+        assert chi2.sf(float(stat), int(used.sum()) - 1) > 1e-3, (temp, top_k, top_p, min_p)
+
+
+def test_joint_rule_is_not_top_k_then_top_p():
+    """top-p counts the mass on the original distribution (joint), not after top-k renormalising:
+    the two orders keep different sets here, and SGLang's sampler keeps the joint one."""
+    x = torch.log(torch.tensor([0.4, 0.3, 0.2, 0.1]))
+    joint = du.target_probs_from_logits(x.unsqueeze(0), 1.0, 2, 0.5)[0]
+    # sequential would renormalise the top-2 (0.4/0.7 = 0.57 >= 0.5) and keep only token 0
+    assert (joint > 0).tolist() == [True, True, False, False]
+    draws = sglang_draws(x, 1.0, 2, 0.5, 0.0, 4000, seed=5)
+    assert set(draws.tolist()) == {0, 1}
+
+
+def brute_kept(s: list[float], top_k: int, top_p: float, min_p: float) -> list[bool]:
+    """The rule as stated, token by token, in float64."""
+    import math
+
+    peak = max(s)
+    z = sum(math.exp(v - peak) for v in s)
+    p = [math.exp(v - peak) / z for v in s]
+    out = []
+    for i, v in enumerate(s):
+        above = [j for j in range(len(s)) if s[j] > v]
+        ok_k = top_k <= 0 or top_k >= len(s) or len(above) < top_k
+        ok_p = top_p >= 1 or sum(p[j] for j in above) < top_p
+        ok_m = min_p <= 0 or p[i] >= min_p * max(p)
+        out.append(ok_k and ok_p and ok_m)
+    return out
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_kept_sets_exact_with_ties(backend):
+    """Quantised logits (many exact ties): the kept set is {s >= t} with every tie at t kept,
+    identical for the reference, both backends and the token-by-token rule."""
+    gen = torch.Generator().manual_seed(11)
+    rows, vocab = 48, 40
+    x = torch.randint(-4, 5, (rows, vocab), generator=gen).float() * 0.5
+    temp = torch.rand(rows, generator=gen) + 0.5
+    top_k = torch.randint(-1, 12, (rows,), generator=gen).int()  # -1 and 0: no limit
+    top_p = torch.where(torch.rand(rows, generator=gen) < 0.3, 1.0, torch.rand(rows, generator=gen))
+    min_p = torch.where(torch.rand(rows, generator=gen) < 0.7, 0.0, torch.rand(rows, generator=gen) * 0.5)
+    ref = du.target_probs_from_logits(x, temp, top_k, top_p, min_p) > 0
+    _, thr = du._sample_with_threshold(x, temp, top_k, top_p, min_p, None, backend)
+    greedy = top_k == 1
+    s = x / torch.where(greedy, 1.0, temp).view(rows, 1)
+    kept = s >= thr.view(rows, 1)
+    for r in range(rows):
+        if greedy[r]:
+            continue
+        want = brute_kept(s[r].tolist(), int(top_k[r]), float(top_p[r]), float(min_p[r]))
+        assert ref[r].tolist() == want, r
+        assert kept[r].tolist() == want, r
+
+
+def test_greedy_rows_give_the_first_argmax():
+    """temperature < 1e-6 and top_k == 1 (SGLang's greedy encoding) are argmax, mixed with
+    sampled rows; among equal maxima the lowest index wins (torch.argmax, as the greedy verify)."""
+    x = torch.tensor([[1.0, 3.0, 3.0, 0.0]] * 4 + [[0.0, 1.0, 2.0, 5.0]] * 2)
+    temp = torch.tensor([0.0, 1.0, 5e-7, 0.7, 0.7, 1e-3])
+    top_k = torch.tensor([TOP_K_ALL, 1, TOP_K_ALL, TOP_K_ALL, 1, TOP_K_ALL], dtype=torch.int32)
+    for backend in ("torch", "triton"):
+        for seed in range(5):
+            tok = du.sample_from_logits(
+                x, temp, top_k, torch.ones(6), None,
+                generator=torch.Generator().manual_seed(seed), backend=backend,
+            )  # fmt: skip
+            assert tok[[0, 1, 2, 4]].tolist() == [1, 1, 1, 3]
+            assert tok[5].item() == 3  # T = 1e-3 is not greedy, but 5 / 1e-3 dominates
+    probs = du.target_probs_from_logits(x, temp, top_k, 1.0)
+    assert probs[[0, 1, 2, 4]].argmax(-1).tolist() == [1, 1, 1, 3]
+    assert torch.equal(probs[[0, 1, 2, 4]].sum(-1), torch.ones(4))
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.slow)])
+def test_top_p_one_keeps_every_token_at_full_vocab(backend):
+    """top_p = 1 is an exact no-op at V = 151936: every token keeps its softmax mass (the old
+    float32 cumsum reached 1 early and dropped the tail); both backends keep the whole row."""
+    vocab = 151936
+    gen = torch.Generator().manual_seed(13)
+    x = torch.randn(2, vocab, generator=gen)
+    probs = du.target_probs_from_logits(x, 0.7, None, 1.0)
+    assert bool((probs > 0).all())
+    want = torch.softmax(x.double() / 0.7, dim=-1)
+    assert torch.allclose(probs.double(), want, rtol=1e-5, atol=0)
+    # top_p strictly below 1 does cut the tail on the same rows (the test has power)
+    assert bool((du.target_probs_from_logits(x, 0.7, None, 0.999) == 0).any())
+    temp = torch.full((2,), 0.7)
+    _, thr = du._sample_with_threshold(x, temp, TOP_K_ALL, 1.0, None, None, backend)
+    assert bool((thr <= (x / 0.7).amin(dim=1)).all())
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.slow)])
+def test_flat_row_kept_set_at_full_vocab(backend):
+    """Random logits at T = 0.7, top_p = 0.9 keep ~87k of 151936 tokens: the case that defeats a
+    top-k fast path. The kernel's threshold search and the torch radix select keep the same set,
+    which is the dense reference's."""
+    vocab = 151936
+    x = torch.randn(1, vocab, generator=torch.Generator().manual_seed(17))
+    args = (torch.tensor([0.7]), TOP_K_ALL, 0.9, None, None)
+    ref = (du.target_probs_from_logits(x, *args[:3]) > 0)[0]
+    s = x[0] / 0.7
+    _, thr = du._sample_with_threshold(x, *args, backend)
+    assert torch.equal(s >= thr[0], ref)
+    assert 50000 < int(ref.sum()) < vocab
+
+
+def test_tree_targets_expand_per_request_params():
+    """Row b*N + i uses request b's parameters: a greedy request, a top_k = 2 request and a
+    min_p request side by side."""
+    n, vocab = 5, 30
+    gen = torch.Generator().manual_seed(19)
+    logits = torch.randn(3 * n, vocab, generator=gen) * 2
+    temp = torch.tensor([0.0, 1.0, 1.0])
+    top_k = torch.tensor([TOP_K_ALL, 2, TOP_K_ALL], dtype=torch.int32)
+    top_p = torch.tensor([1.0, 1.0, 1.0])
+    min_p = torch.tensor([0.0, 0.0, 0.5])
+    for backend in ("torch", "triton"):
+        got = du.sample_tree_targets(
+            logits, temp.view(3, 1), top_k, top_p, min_p, n,
+            generator=torch.Generator().manual_seed(3), backend=backend,
+        )  # fmt: skip
+        assert got.shape == (3, n) and got.dtype == torch.int64
+        rows = logits.view(3, n, vocab)
+        assert torch.equal(got[0], rows[0].argmax(-1))
+        top2 = rows[1].topk(2, dim=-1).indices
+        assert bool((got[1].unsqueeze(-1) == top2).any(-1).all())
+        chosen = rows[2].gather(-1, got[2].unsqueeze(-1)).squeeze(-1)
+        assert bool((chosen >= rows[2].amax(-1) + torch.log(torch.tensor(0.5)) - 1e-6).all())
+    with pytest.raises(ValueError, match="multiple of n_per_req"):
+        du.sample_tree_targets(logits[:-1], temp, top_k, top_p, min_p, n)
+    with pytest.raises(ValueError, match="3 values for 2 requests"):
+        du.sample_tree_targets(logits[: 2 * n], temp, top_k[:2], top_p[:2], None, n)
+
+
+def test_bad_input_is_refused():
+    x = torch.randn(3, 8)
+    with pytest.raises(ValueError, match=r"\[R, V\]"):
+        du.sample_from_logits(x.view(3, 2, 4), 1.0, None, None)
+    with pytest.raises(ValueError, match="float tensor"):
+        du.sample_from_logits(x.long(), 1.0, None, None)
+    with pytest.raises(ValueError, match="2 values for 3 rows"):
+        du.sample_from_logits(x, torch.ones(2), None, None)
+    with pytest.raises(ValueError, match="max_top_k"):
+        du.sample_from_logits(x, 1.0, None, None, max_top_k=0)
+    with pytest.raises(ValueError, match="backend"):
+        du.sample_from_logits(x, 1.0, None, None, backend="cuda")
+    assert du.sample_from_logits(x[:0], 1.0, None, None).shape == (0,)
+
+
+def test_generator_makes_draws_reproducible():
+    x = torch.randn(200, 50, generator=torch.Generator().manual_seed(23))
+    for backend in ("torch", "triton"):
+        a, b = (
+            du.sample_from_logits(x, 0.8, 10, 0.9, generator=torch.Generator().manual_seed(7), backend=backend)
+            for _ in range(2)
+        )  # fmt: skip
+        assert torch.equal(a, b)
+
+
+def test_no_host_sync_or_data_dependent_shape_on_the_device_path():
+    """The non-CPU torch path (what runs on CUDA without Triton) on the meta device: meta
+    tensors have no data, so any .item(), nonzero, boolean-mask indexing or data-dependent shape
+    raises. (The Triton path is one kernel launch with O(R) outputs; tests/gpu checks both under
+    torch.cuda.set_sync_debug_mode('error').)"""
+    rows, vocab = 7, 1000
+    x = torch.empty(rows, vocab, device="meta")
+    p = lambda v, dt=torch.float32: torch.full((rows,), v, dtype=dt, device="meta")  # noqa: E731
+    tok = du.sample_from_logits(x, p(0.7), p(5, torch.int32), p(0.9), p(0.1), backend="torch")
+    assert tok.shape == (rows,) and tok.dtype == torch.int64 and tok.device.type == "meta"
+    got = du.sample_tree_targets(
+        torch.empty(3 * 4, vocab, device="meta"), p(0.7)[:3], p(5, torch.int32)[:3], p(0.9)[:3],
+        None, 4, backend="torch",
+    )  # fmt: skip
+    assert got.shape == (3, 4)
+
+
+MEMORY_SCRIPT = textwrap.dedent(
+    """
+    import resource, sys, torch
+    sys.path.insert(0, sys.argv[1])
+    import ddtree_utils as du
+    rows, vocab = int(sys.argv[2]), int(sys.argv[3])
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, vocab, generator=gen)
+    temp = torch.full((rows,), 0.7)
+    top_k = torch.full((rows,), 1 << 30, dtype=torch.int32)
+    top_p = torch.full((rows,), 0.9)
+    du.sample_from_logits(x[:1, :64], temp[:1], top_k[:1], top_p[:1], None, backend="torch")
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    tok = du.sample_from_logits(x, temp, top_k, top_p, None, backend="torch", generator=gen)
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print((after - before) * 1024, x.numel() * x.element_size(), int(tok.numel()))
+    """
+)
+
+
+def test_extra_memory_at_full_vocab_is_bounded():
+    """Peak extra memory of the torch path at V = 151936 (flat rows: the full threshold search),
+    measured as the process's resident high-water mark (getrusage ru_maxrss, the kernel's own
+    count) in a fresh interpreter: at most 48 bytes per element of one row chunk
+    (max(1, 2**20 // V) rows) plus O(R), which is under 2x the logits here. The old dense
+    version kept about eight [R, V] float32 copies (8x the logits and more)."""
+    rows, vocab = 64, 151936
+    out = subprocess.run(
+        [sys.executable, "-c", MEMORY_SCRIPT, str(ROOT), str(rows), str(vocab)],
+        capture_output=True, text=True, check=True, timeout=300,
+        env={**os.environ, "MALLOC_ARENA_MAX": "1"},
+    )  # fmt: skip
+    extra, logits_bytes, n = map(int, out.stdout.split())
+    assert n == rows
+    chunk_rows = max(1, du._TORCH_WORK_ELEMS // vocab)
+    bound = 48 * chunk_rows * vocab + 64 * rows + (8 << 20)  # + 8 MiB for the interpreter
+    assert 0 <= extra <= bound, (extra, bound)
+    assert extra <= 2 * logits_bytes, (extra, logits_bytes)
+
+
+def run_tree_round(roots, lp, ids, budget, logits_of_token, params, gen):
+    """One DDTree round with target-only sampling: samples per node from sample_tree_targets."""
+    bs = roots.shape[0]
+    tree = du.build_tree(lp.expand(bs, -1, -1), ids.expand(bs, -1, -1), budget)
+    ct = du.compile_tree(tree, roots, torch.zeros(bs, dtype=torch.int64), build_custom_mask=False)
+    cand = ct.draft_tokens.view(bs, budget + 1)
+    logits = logits_of_token[cand].reshape(bs * (budget + 1), -1)
+    temp, top_k, top_p, min_p = (torch.full((bs,), v) for v in params)
+    samples = du.sample_tree_targets(
+        logits, temp, top_k.int(), top_p, min_p, budget + 1, generator=gen, backend="torch"
+    )
+    acc, acc_len, bonus = du.verify_sampling_reference(
+        cand, ct.retrieve_next_token, ct.retrieve_next_sibling, None, lp.shape[1], samples=samples
+    )
+    return cand, acc, acc_len, bonus
+
+
+def test_tree_walk_with_samples_is_lossless():
+    """First two emitted tokens ~ filtered p(a | root) * filtered p(b | a) for a Markov target
+    with temperature, top-k, top-p and min-p (chi-square, 60k rounds)."""
+    vocab, samples = 5, 60000
+    gen = torch.Generator().manual_seed(29)
+    logits_of_token = torch.randn(vocab, vocab, generator=gen) * 1.2
+    params = (0.8, 4, 0.9, 0.05)
+    filt = du.target_probs_from_logits(logits_of_token, *params)  # [vocab, vocab] rows = context
+    lp, ids = du.draft_topk_logprobs(torch.randn(1, 3, vocab, generator=gen), 3)
+    roots = torch.zeros(samples, dtype=torch.int64)
+    cand, acc, acc_len, bonus = run_tree_round(roots, lp, ids, 6, logits_of_token, params, gen)
+    take = lambda i: cand.gather(1, acc[:, i : i + 1].clamp_min(0)).squeeze(1)  # noqa: E731
+    first = torch.where(acc_len >= 1, take(1), bonus)
+    second = torch.where(acc_len >= 2, take(2), torch.where(acc_len == 1, bonus, -1))
+    redo = second == -1
+    c2, a2, l2, b2 = run_tree_round(first[redo], lp, ids, 6, logits_of_token, params, gen)
+    second[redo] = torch.where(l2 >= 1, c2.gather(1, a2[:, 1:2].clamp_min(0)).squeeze(1), b2)
+    assert (acc_len >= 2).any() and (acc_len == 0).any()
+    counts = torch.bincount(first * vocab + second, minlength=vocab * vocab).double()
+    expected = (filt[0].unsqueeze(1) * filt).reshape(-1).double()
+    assert fits(counts, expected / expected.sum()) > 1e-3
+    biased = expected.clone()
+    biased[biased.argmax()] *= 1.05
+    assert chisquare(
+        counts[expected > 0].numpy(), (biased[expected > 0] / biased.sum() * samples).numpy()
+    ).pvalue < 1e-3
