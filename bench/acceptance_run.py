@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from deploy import bench as B  # noqa: E402
 
-COMMON = ("--skip-tokenizer-init --dtype bfloat16 --sampling-backend pytorch --disable-piecewise-cuda-graph "
+COMMON = ("--skip-tokenizer-init --sampling-backend pytorch --disable-piecewise-cuda-graph "
           "--grammar-backend none --mem-fraction-static 0.85 --max-total-tokens 65536 --cuda-graph-max-bs 32 "
           "--max-running-requests 32 --random-seed 0")
 
@@ -59,11 +59,12 @@ def configs(budgets: list[int]) -> list[tuple[str, str]]:
 
 
 class Server:
-    def __init__(self, name: str, extra: str, port: int, pair: Path, logdir: Path, backend: str, common: str):
+    def __init__(self, name: str, extra: str, port: int, pair: Path, logdir: Path, backend: str, common: str,
+                 dtype: str = "bfloat16"):
         self.name, self.port = name, port
         self.url = f"http://127.0.0.1:{port}"
         self.cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(pair / "target"),
-                    "--host", "127.0.0.1", "--port", str(port), "--attention-backend", backend,
+                    "--host", "127.0.0.1", "--port", str(port), "--attention-backend", backend, "--dtype", dtype,
                     *shlex.split(common), *shlex.split(extra.format(draft=pair / "draft"))]
         self.logpath = logdir / (name.replace(" ", "-") + ".log")
         self.proc: subprocess.Popen | None = None
@@ -178,6 +179,9 @@ def main() -> int:
     ap.add_argument("--backend", default="triton")
     ap.add_argument("--common", default=COMMON)
     ap.add_argument("--port-base", type=int, default=31000)
+    ap.add_argument("--dtype", default="bfloat16", help="server dtype; float32 separates numerics from bugs in the greedy check")
+    ap.add_argument("--exactness-only", action="store_true",
+                    help="greedy equality check only (no timing levels); e.g. with --dtype float32 --pair DIR")
     ap.add_argument("--budget-s", type=float, default=540.0, help="whole-run deadline; levels left are skipped")
     a = ap.parse_args()
     t_start = time.time()
@@ -195,7 +199,9 @@ def main() -> int:
     cfgs = configs(budgets)
 
     pair = a.pair or a.pair_dir
-    servers = [Server(n, e, a.port_base + i, pair, logdir, a.backend, a.common) for i, (n, e) in enumerate(cfgs)]
+    servers = [Server(n, e, a.port_base + i, pair, logdir, a.backend, a.common, a.dtype) for i, (n, e) in enumerate(cfgs)]
+    if a.exactness_only:
+        temps = []
     train_rc = 0
     if a.pair is None:
         if pair.exists():  # a warm machine may hold an earlier run's pair (and its TARGET_READY)
@@ -267,7 +273,7 @@ def main() -> int:
                 r.server = B.server_info(s.url)
                 results.append(r)
         doc = B.report(results, B.Sampling(max_new_tokens=a.max_new_tokens), {
-            "driver": "bench/acceptance_run.py", "temperatures": temps, "concurrency": levels,
+            "driver": "bench/acceptance_run.py", "dtype": a.dtype, "temperatures": temps, "concurrency": levels,
             "offline": offline, "exactness_vs_first": exact, "skipped": skipped,
             "startup_s": {s.name: s.startup_s for s in servers}, "server_errors": {s.name: s.error for s in servers if s.error},
             "server_cmds": {s.name: " ".join(s.cmd) for s in servers},

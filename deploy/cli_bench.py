@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import socket
+import time
 import urllib.parse
 from pathlib import Path
 from typing import Annotated
@@ -31,6 +32,18 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _wait_listening(port: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise RemoteUnreachable(f"the local end of the SSH port forward (127.0.0.1:{port}) did not open") from None
+            time.sleep(0.05)
 
 
 @contextlib.contextmanager
@@ -56,10 +69,17 @@ def _reach(target: str, inventory: Path | None):
         if conn is None or not hasattr(conn, "forward_local"):
             raise RemoteUnreachable(f"{target}: the SSH transport offers no port forward")
         port = _free_port()
-        remote_port = url.port or 80
-        with conn.forward_local(local_port=port, remote_port=remote_port, remote_host=url.hostname or "127.0.0.1",
-                                local_host="127.0.0.1"):
+        forward = conn.forward_local(local_port=port, remote_port=url.port or 80,
+                                     remote_host=url.hostname or "127.0.0.1", local_host="127.0.0.1")
+        forward.__enter__()
+        try:
+            _wait_listening(port, host.connect_timeout_s)  # Fabric binds the local end in a thread
             yield f"http://127.0.0.1:{port}{url.path.rstrip('/')}"
+        finally:
+            try:
+                forward.__exit__(None, None, None)
+            except Exception:  # noqa: BLE001  a tunnel error (remote port closed) already failed the requests
+                pass
     finally:
         t.close()
 

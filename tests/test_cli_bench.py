@@ -231,3 +231,23 @@ url = "{urls['dflash']}"
     assert s["label"] == "local" and s["url"] == urls["dflash"] and s["server"]["speculative_algorithm"] == "DFLASH"
     r = run("bench", "nosuchhost", "-i", str(inv), "--prompts", str(prompts), "--json")
     assert r.returncode == 2 and "nosuchhost" in json.loads(r.stdout)["error"]
+
+
+def test_unreachable_inventory_host_exits_5(prompts, tmp_path):
+    kh = tmp_path / "known_hosts"
+    kh.write_text("")
+    inv = tmp_path / "hosts.toml"
+    inv.write_text(f"""
+[hosts.gone]
+address = "127.0.0.1"
+port = {_closed_port()}
+user = "root"
+known_hosts = "{kh}"
+connect_timeout_s = 3
+python = "/usr/bin/python3"
+restart = {{ strategy = "command", start = "true", stop = "true", status = "true" }}
+""")
+    r = run("bench", "gone", "-i", str(inv), "--prompts", str(prompts), "--json")
+    assert r.returncode == 5, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["ok"] is False and doc["exit_code"] == 5 and "gone" in doc["error"]
