@@ -9,7 +9,10 @@ of one round. All servers start in parallel (KV capped with --max-total-tokens),
 measured alone: `bs` prompts of 512 tokens, 8 then 136 new tokens, per-round
 ms = (t136 - t8) / (rounds136 - rounds8). Writes OUT/round_cost.json and OUT/round_cost.md
 (the table, ratios against DFLASH and the issue-12 goals: DDTREE b15 <= 1.05x DFLASH at every
-batch, b63 <= 1.2x at batch 1). Needs CUDA and the patched sglang on PYTHONPATH.
+batch, b63 <= 1.2x at batch 1). DDTREE servers run with SGLANG_DDTREE_PHASE_TIMES=1 (0.5.16
+pin): the table adds their GPU time per phase of the round (draft+tree, mask, verify, accept,
+KV move, commit) from CUDA events; round ms minus their sum is host time not hidden by the GPU.
+Needs CUDA and the patched sglang on PYTHONPATH.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import argparse
 import json
 import os
 import random
+import re
 import shlex
 import signal
 import subprocess
@@ -109,6 +113,32 @@ def table(res: list, bss: list) -> str:
     return "\n".join(rows)
 
 
+_PHASE_RE = re.compile(r"DDTREE phase ms bs=(\d+) \(GPU, mean of (\d+) rounds\): (\{.*\})")
+
+
+def phase_table(out: str, names: list) -> str:
+    """Last logged per-phase GPU means of each DDTREE server, per batch size."""
+    rows = ["| config | batch | rounds | " + " | ".join(
+        ("draft+tree", "mask", "verify", "accept", "kv_move", "commit", "sum")) + " |",
+        "|---" * 10 + "|"]
+    for name in names:
+        path = os.path.join(out, f"rc-{name}.log")
+        if not name.startswith("ddtree") or not os.path.exists(path):
+            continue
+        last: dict = {}
+        with open(path, errors="replace") as f:
+            for line in f:
+                m = _PHASE_RE.search(line)
+                if m:
+                    last[int(m.group(1))] = (int(m.group(2)), json.loads(m.group(3)))
+        for bs in sorted(last):
+            rounds, ph = last[bs]
+            vals = list(ph.values())
+            rows.append(f"| {name} | {bs} | {rounds} | " + " | ".join(f"{v:.3f}" for v in vals)
+                        + f" | {sum(vals):.3f} |")
+    return "\n".join(rows)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
@@ -136,7 +166,11 @@ def main() -> int:
             *shlex.split(CONFIGS[name].format(draft="/tmp/rc-draft")),
         ]
         log = open(os.path.join(a.out, f"rc-{name}.log"), "w")  # noqa: SIM115 - lives with the server
-        procs[name] = (port, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        env = dict(os.environ, SGLANG_DDTREE_PHASE_TIMES="1") if name.startswith("ddtree") else None
+        procs[name] = (
+            port,
+            subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env),
+        )
         time.sleep(8)
     ready: dict = {}
     while len(ready) < len(procs) and time.time() - t00 < a.deadline * 0.6:
@@ -180,7 +214,7 @@ def main() -> int:
             pass
     with open(os.path.join(a.out, "round_cost.json"), "w") as f:
         json.dump(res, f, indent=1)
-    report = table(res, bss)
+    report = table(res, bss) + "\n\n" + phase_table(a.out, names)
     with open(os.path.join(a.out, "round_cost.md"), "w") as f:
         f.write(report + "\n")
     print(report, flush=True)

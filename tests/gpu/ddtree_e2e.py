@@ -90,6 +90,7 @@ class Config:
     kind: str  # base | dflash | ddtree
     extras_checks: bool = False
     debug_metrics: bool = False
+    env: dict = field(default_factory=dict)
     result: dict = field(default_factory=dict)
 
 
@@ -127,6 +128,8 @@ def build_matrix(
                         "ddtree",
                         extras_checks=extras,
                         debug_metrics=extras and g == "cg",
+                        # host syncs inside the round reported in the log (0.5.16 worker)
+                        env={"SGLANG_DDTREE_SYNC_DEBUG": "1"} if extras and g == "cg" else {},
                     )
                 )
     return out
@@ -347,7 +350,11 @@ def run_config(
     log = open(os.path.join(out_dir, f"{cfg.name}.log"), "w")  # noqa: SIM115 - closed in finally
     t0 = time.time()
     proc = subprocess.Popen(
-        cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        cmd,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env=dict(os.environ, **cfg.env),
     )
     try:
         while True:
@@ -383,6 +390,14 @@ def run_config(
         stop_server(proc)
         log.close()
         rec["total_s"] = round(time.time() - t0, 1)
+        if cfg.env.get("SGLANG_DDTREE_SYNC_DEBUG"):
+            with open(os.path.join(out_dir, f"{cfg.name}.log"), errors="replace") as f:
+                lines = f.read().splitlines()
+            hits = [i for i, ln in enumerate(lines) if "synchronizing CUDA operation" in ln]
+            rec["round_host_syncs"] = len(hits)  # distinct sites (warnings print once each)
+            rec["round_host_sync_sites"] = [
+                " | ".join(lines[max(0, i - 1) : i + 2])[:300] for i in hits[:8]
+            ]
 
 
 def stop_server(proc: subprocess.Popen) -> None:
@@ -458,6 +473,10 @@ def passed(c: Config) -> bool:
     return not (c.debug_metrics and not ch.get("debug_metrics_present"))
 
 
+def _sync_note(r: dict) -> str:
+    return "" if "round_host_syncs" not in r else f", host syncs in round: {r['round_host_syncs']}"
+
+
 def _mixed_cell(m) -> str:
     if not m:
         return "-"
@@ -489,7 +508,7 @@ def table(configs: list[Config]) -> str:
             f"| {c.name} | {r.get('startup_s', '-')} | {r.get('gen_s', '-')} | "
             f"{r.get('matches_base', '-')} | {r.get('matches_dflash', '-')} | {mean} | "
             f"{r.get('concurrent_match_base', '-')}/{r.get('stop_match_base', '-')} | "
-            f"{_mixed_cell(r.get('mixed'))} | {chs} | {'PASS' if passed(c) else 'FAIL: ' + r.get('error', 'mismatch')[:80]} |"
+            f"{_mixed_cell(r.get('mixed'))} | {chs}{_sync_note(r)} | {'PASS' if passed(c) else 'FAIL: ' + r.get('error', 'mismatch')[:80]} |"
         )
     return "\n".join(rows)
 

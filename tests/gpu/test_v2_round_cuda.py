@@ -1,0 +1,98 @@
+"""The 0.5.16 worker's round pieces on CUDA (patched sglang 0.5.16 on PYTHONPATH).
+
+- ddtree_accept_greedy (sgl_kernel verify_tree_greedy) == ddtree_utils.verify_greedy_reference
+  on GPU-built trees, budgets 1..255;
+- the draft-graph proposer replayed from a CUDA graph == eager, and the proposer, the mask
+  scatter, the accept and the commit layout run under torch.cuda sync debug mode "error"
+  (any host synchronisation raises).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+info = pytest.importorskip("sglang.srt.speculative.ddtree_info_v2")
+from sglang.srt.speculative import ddtree_utils  # noqa: E402
+from sglang.srt.speculative.ddtree_worker_v2 import DDTreeProposer  # noqa: E402
+
+VOCAB, BLOCK = 512, 16
+
+
+def _round(budget: int, bs: int, seed: int):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    depth = min(budget, BLOCK - 1)
+    logits = torch.randn(bs, depth, VOCAB, device="cuda", generator=gen) * 3
+    logp, ids = ddtree_utils.draft_topk_logprobs(logits, min(budget, 16))
+    tree = ddtree_utils.build_tree(logp, ids, budget)
+    seq_lens = torch.randint(1, 300, (bs,), device="cuda", generator=gen)
+    bonus = torch.randint(0, VOCAB, (bs,), device="cuda", generator=gen)
+    ct = ddtree_utils.compile_tree(tree, bonus, seq_lens, build_custom_mask=False, max_depth=depth)
+    n = budget + 1
+    cand = ct.draft_tokens.view(bs, n)
+    predict = torch.randint(0, VOCAB, (bs, n), device="cuda", generator=gen)
+    # follow the first child most of the time so deep paths occur
+    first = ct.retrieve_next_token
+    follow = (torch.rand((bs, n), device="cuda", generator=gen) < 0.8) & (first >= 0)
+    predict = torch.where(follow, cand.gather(1, first.clamp_min(0)), predict)
+    return ct, cand, predict, seq_lens, depth
+
+
+@pytest.mark.parametrize("budget", [1, 15, 63, 255])
+def test_accept_kernel_matches_the_reference(budget):
+    bs = 8
+    ct, cand, predict, _, depth = _round(budget, bs, budget)
+    index = torch.arange(bs * (budget + 1), device="cuda").view(bs, budget + 1)
+    got = info.ddtree_accept_greedy(cand, predict, index, ct.retrieve_next_token,
+                                    ct.retrieve_next_sibling, depth)
+    want = ddtree_utils.verify_greedy_reference(
+        cand.cpu(), ct.retrieve_next_token.cpu(), ct.retrieve_next_sibling.cpu(), predict.cpu(), depth)
+    for a, b in zip(got, want):
+        assert torch.equal(a.cpu(), b)
+
+
+def test_proposer_graph_and_no_host_sync():
+    bs, budget, depth, k, hidden = 4, 63, 15, 16, 256
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    weight = torch.randn(VOCAB, hidden, device="cuda", generator=gen, dtype=torch.bfloat16)
+    prop = DDTreeProposer(weight=weight, num_org=VOCAB, org_vocab_start=0, block_size=BLOCK,
+                          budget=budget, topk=k, max_depth=depth, max_bs=bs)
+    hs = torch.randn(bs * BLOCK, hidden, device="cuda", generator=gen, dtype=torch.bfloat16)
+    eager = prop.compute(hs)  # first call builds the kernels' tables
+    static = hs.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        prop(static)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        prop(static)
+    static.copy_(hs)
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(prop.captured(bs), eager):
+        assert torch.equal(a, b)
+
+    n = budget + 1
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        tokens, tdepth, nxt, sib, tree_mask = prop.compute(hs)
+        seq_lens = torch.randint(1, 200, (bs,), device="cuda", generator=gen)
+        buf = torch.ones(n * (int(200 + n) * bs), dtype=torch.bool, device="cuda")
+        index = ddtree_utils.tree_custom_mask_index(seq_lens, n).view(-1)
+        buf[index] = tree_mask.reshape(-1)
+        predict = torch.randint(0, VOCAB, (bs, n), device="cuda", generator=gen)
+        rows = torch.arange(bs * n, device="cuda").view(bs, n)
+        acc, acc_len, bonus = info.ddtree_accept_greedy(tokens, predict, rows, nxt, sib, depth)
+        out, commit, path = ddtree_utils.tree_commit_layout(acc, acc_len, bonus, tokens, BLOCK)
+        slots = torch.arange(bs * (n + depth + 1), device="cuda").view(bs, -1)
+        info.ddtree_kv_move_locs(slots, path, n, depth)
+        buf[index] = True
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert bool(buf.all())

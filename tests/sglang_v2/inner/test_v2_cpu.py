@@ -1,0 +1,451 @@
+"""DDTREE on SGLang 0.5.16 (patched), on the CPU, in the child Python of test_v2_pin.py.
+
+Real sglang 0.5.16 modules with the build laid over them. Server args go through the real
+prepare_server_args (`--device cuda` parses without touching a GPU); the round's pure pieces
+run on real ReqToTokenPool / TokenToKVPoolAllocator objects and are checked against
+ddtree_utils' references. What needs a GPU (the forward passes, CUDA graphs, the KV copy
+kernel) is covered by tests/gpu; here the KV pool is a plain tensor standing in for one
+layer's K buffer (the copy kernel is Triton-on-CUDA only), said where it is used.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import shlex
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import ddtree_utils as du
+
+_FIX = Path(__file__).resolve().parents[2] / "sglang" / "fixtures.py"
+_spec = importlib.util.spec_from_file_location("ddtree_fixtures_v2", _FIX)
+fixtures = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(fixtures)
+
+BLOCK = fixtures.draft_config()["block_size"]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return fixtures.write_model_dirs(tmp_path_factory.mktemp("tiny"), block_size=BLOCK)
+
+
+@pytest.fixture(scope="module")
+def parse(models):
+    from sglang.srt.server_args import prepare_server_args
+
+    def _parse(extra: str = "", algorithm: str | None = "DDTREE", draft: bool = True):
+        argv = ["--model-path", str(models.target), "--device", "cuda"]
+        if algorithm:
+            argv += ["--speculative-algorithm", algorithm]
+        if draft:
+            argv += ["--speculative-draft-model-path", str(models.draft)]
+        return prepare_server_args([*argv, *shlex.split(extra)])
+
+    return _parse
+
+
+def test_the_016_site_is_patched():
+    import sglang
+    from sglang.srt.speculative import ddtree_utils as shipped
+
+    assert sglang.__version__ == "0.5.16"
+    assert Path(shipped.__file__).read_bytes() == Path(du.__file__).read_bytes()
+
+
+# ------------------------------------------------------------------------------------------
+# Algorithm selection
+
+
+def test_algorithm_predicates_and_worker():
+    from sglang.srt.speculative.ddtree_worker_v2 import DDTreeWorkerV2
+    from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+    from sglang.srt.speculative.spec_registry import CustomSpecAlgo
+
+    ddtree = SpeculativeAlgorithm.from_string("ddtree")
+    assert ddtree is SpeculativeAlgorithm.DDTREE
+    assert ddtree.is_ddtree() and ddtree.is_dflash_family() and not ddtree.is_dflash()
+    assert ddtree.supports_target_verify_for_draft()
+    assert not SpeculativeAlgorithm.DFLASH.is_ddtree()
+    assert ddtree.create_worker(SimpleNamespace()) is DDTreeWorkerV2
+    assert issubclass(DDTreeWorkerV2, DFlashWorkerV2)
+    assert SpeculativeAlgorithm.DFLASH.create_worker(SimpleNamespace()) is DFlashWorkerV2
+    assert hasattr(CustomSpecAlgo, "is_ddtree")
+
+
+def test_verify_input_for_capture_carries_the_mask(parse):
+    from sglang.srt.speculative.ddtree_info_v2 import DDTreeVerifyInput
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm, create_dummy_verify_input
+
+    args = parse("--attention-backend triton --speculative-ddtree-budget 63")
+    mask = torch.ones(128, dtype=torch.bool)
+    target = create_dummy_verify_input(SpeculativeAlgorithm.DDTREE, args, mask, 64, False)
+    assert isinstance(target, DDTreeVerifyInput) and target.custom_mask is mask
+    assert target.is_verify_input() and target.num_tokens_per_req == 64
+    assert target.topk == args.speculative_eagle_topk > 1
+    draft = create_dummy_verify_input(SpeculativeAlgorithm.DDTREE, args, mask, 64, True)
+    assert not isinstance(draft, DDTreeVerifyInput) and draft.custom_mask is None
+
+
+# ------------------------------------------------------------------------------------------
+# Server args: accepted configurations
+
+
+@pytest.mark.parametrize("budget", [1, 15, 63, 255])
+@pytest.mark.parametrize("backend", ["triton", "flashinfer"])
+def test_ddtree_shape(parse, budget, backend):
+    from sglang.srt.arg_groups.ddtree_hook import (
+        DDTREE_MAX_CUDA_GRAPH_TOKENS,
+        ddtree_decode_reserve_len,
+    )
+    from sglang.srt.mem_cache.allocation_sizing import (
+        get_alloc_reserve_per_decode,
+        get_req_to_token_extra_context_len,
+    )
+
+    args = parse(f"--attention-backend {backend} --speculative-ddtree-budget {budget}")
+    n, depth = budget + 1, min(budget, BLOCK - 1)
+    assert args.speculative_dflash_block_size == BLOCK
+    assert args.speculative_ddtree_budget == budget
+    assert args.speculative_ddtree_topk_cap == min(budget, 16)
+    assert args.speculative_num_draft_tokens == n
+    assert args.speculative_num_steps == depth
+    assert args.speculative_eagle_topk > 1
+    assert args.disable_overlap_schedule is False  # overlap stays on
+    assert args.page_size == 1 and args.attention_backend == backend
+    # The per-round reservation covers the worst one-round lag of the CPU committed length
+    # (D + 1 tokens) plus the draft block, the tree and the staging slots of the KV move ...
+    reserve = ddtree_decode_reserve_len(args)
+    assert reserve >= (depth + 1) + max(BLOCK, n + depth + 1)
+    # ... fits the scheduler's estimate and the req_to_token row headroom.
+    assert get_alloc_reserve_per_decode(args) >= reserve
+    assert get_req_to_token_extra_context_len(args) >= reserve
+    decode = args.cuda_graph_config.decode
+    assert decode.bs and max(decode.bs) * n <= max(DDTREE_MAX_CUDA_GRAPH_TOKENS, n)
+
+
+def test_default_backend_is_a_tree_mask_backend(parse):
+    args = parse()
+    assert args.attention_backend in ("flashinfer", "triton")
+
+
+def test_num_draft_tokens_is_the_verify_width(parse):
+    args = parse("--attention-backend triton --speculative-num-draft-tokens 32")
+    assert args.speculative_ddtree_budget == 31 and args.speculative_num_draft_tokens == 32
+
+
+def test_topk_cap_above_budget_is_clamped(parse):
+    args = parse("--attention-backend triton --speculative-ddtree-budget 7 --speculative-ddtree-topk-cap 40")
+    assert args.speculative_ddtree_topk_cap == 7
+
+
+def test_other_algorithms_are_unchanged(parse):
+    args = parse("--attention-backend triton", algorithm="DFLASH")
+    assert args.speculative_num_draft_tokens == BLOCK
+    assert (args.speculative_num_steps, args.speculative_eagle_topk) == (1, 1)
+    assert args.speculative_ddtree_budget is None
+
+
+# ------------------------------------------------------------------------------------------
+# Server args: rejected configurations, each with its message (the same checks as 0.5.13.post1)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ("--speculative-ddtree-budget 0", r"1 <= --speculative-ddtree-budget <= 1023.*got 0"),
+        ("--speculative-ddtree-budget 1024", r"--speculative-ddtree-budget.*got 1024"),
+        ("--speculative-ddtree-topk-cap 0", r"--speculative-ddtree-topk-cap >= 1, got 0"),
+        (f"--speculative-ddtree-topk-cap 1 --speculative-ddtree-budget {BLOCK}",
+         rf"holds at most {BLOCK - 1} nodes, fewer than --speculative-ddtree-budget {BLOCK}"),
+        ("--speculative-dflash-block-size 2 --speculative-ddtree-topk-cap 3 --speculative-ddtree-budget 4",
+         r"holds at most 3 nodes"),
+        ("--speculative-dflash-block-size 1", r"block size >= 2.*got 1"),
+        ("--speculative-num-draft-tokens 8 --speculative-ddtree-budget 31",
+         r"must equal --speculative-ddtree-budget \+ 1"),
+        ("--page-size 16", r"--page-size 1.*got page_size=16"),
+        ("--pp-size 2", r"DDTREE.*pp_size == 1"),
+    ],
+)
+def test_invalid_configurations(parse, extra, message):
+    with pytest.raises(ValueError, match=message):
+        parse("--attention-backend triton " + extra)
+
+
+def test_backend_without_tree_mask_is_refused(parse):
+    with pytest.raises(ValueError, match=r"tree mask.*flashinfer, triton.*got torch_native"):
+        parse("--attention-backend torch_native")
+
+
+def test_draft_model_is_required(parse):
+    with pytest.raises(ValueError, match=r"DDTREE.*--speculative-draft-model-path"):
+        parse("--attention-backend triton", draft=False)
+
+
+@pytest.mark.parametrize(
+    ("flag", "algorithm"),
+    [
+        ("--speculative-ddtree-budget 15", "DFLASH"),
+        ("--speculative-ddtree-topk-cap 4", None),
+        ("--speculative-ddtree-allow-hybrid-unsafe", "DFLASH"),
+        ("--speculative-ddtree-debug-metrics", None),
+    ],
+)
+def test_ddtree_flags_need_ddtree(parse, flag, algorithm):
+    name = flag.split()[0]
+    with pytest.raises(ValueError, match=rf"{name} require\(s\) --speculative-algorithm DDTREE"):
+        parse(f"--attention-backend triton {flag}", algorithm=algorithm, draft=algorithm is not None)
+
+
+def test_ddtree_flags_need_ddtree_even_for_dummy_models():
+    from sglang.srt.server_args import prepare_server_args
+
+    with pytest.raises(ValueError, match="require"):
+        prepare_server_args(["--model-path", "dummy", "--speculative-ddtree-budget", "3"])
+
+
+def test_help_documents_the_flags():
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    text = parser.format_help()
+    for flag in ("--speculative-ddtree-budget", "--speculative-ddtree-topk-cap",
+                 "--speculative-ddtree-allow-hybrid-unsafe", "--speculative-ddtree-debug-metrics"):
+        assert flag in text
+
+
+# ------------------------------------------------------------------------------------------
+# Requests DDTREE refuses (the server keeps serving: the scheduler aborts only that request)
+
+
+def _req(**params):
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    sp = SamplingParams(**params)
+    sp.normalize(None)
+    return SimpleNamespace(sampling_params=sp, custom_logit_processor=None)
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ({"frequency_penalty": 0.5}, "frequency_penalty"),
+        ({"presence_penalty": 0.3}, "presence_penalty"),
+        ({"repetition_penalty": 1.2}, "repetition_penalty"),
+        ({"sampling_seed": 7}, "sampling_seed"),
+    ],
+)
+def test_refused_requests(params, message):
+    from sglang.srt.arg_groups.ddtree_hook import validate_ddtree_request
+
+    msg = validate_ddtree_request(_req(**params))
+    assert msg and "DDTREE" in msg and message in msg
+
+
+def test_plain_and_sampled_requests_are_served():
+    from sglang.srt.arg_groups.ddtree_hook import validate_ddtree_request
+
+    assert validate_ddtree_request(_req(temperature=0)) is None
+    assert validate_ddtree_request(_req(temperature=0.7, top_p=0.9, top_k=20)) is None
+    req = _req(temperature=0)
+    req.custom_logit_processor = "serialized"
+    assert "custom logit processors" in validate_ddtree_request(req)
+
+
+# ------------------------------------------------------------------------------------------
+# The round's pure pieces on real pools
+
+
+def _reserve_rows(args, prefix_lens):
+    """A real ReqToTokenPool and allocator; each request gets committed + reservation slots
+    (as DFlashDraftInputV2.prepare_for_decode reserves them)."""
+    from sglang.srt.arg_groups.ddtree_hook import ddtree_decode_reserve_len
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+    reserve = ddtree_decode_reserve_len(args)
+    pool = ReqToTokenPool(size=len(prefix_lens) + 1, max_context_len=512, device="cpu", enable_memory_saver=False)
+    alloc = TokenToKVPoolAllocator(4096, torch.bfloat16, "cpu", None, False)
+    rows = []
+    for i, p in enumerate(prefix_lens):
+        row = i + 1
+        slots = alloc.alloc(int(p) + reserve)
+        pool.write((row, slice(0, int(p) + reserve)), slots.to(torch.int32))
+        rows.append(row)
+    return pool, torch.tensor(rows), reserve
+
+
+def _round(args, seed):
+    """One round's tree, target predictions (a random child most of the time) and slots."""
+    n = args.speculative_num_draft_tokens
+    budget, depth = n - 1, args.speculative_num_steps
+    g = torch.Generator().manual_seed(seed)
+    bs = 4
+    logits = torch.randn(bs, depth, 24, generator=g)
+    logp, ids = du.draft_topk_logprobs(logits, args.speculative_ddtree_topk_cap, backend="torch")
+    tree = du.build_tree_reference(logp, ids, budget)
+    committed = torch.randint(1, 60, (bs,), generator=g)
+    # the true prefix runs up to one round (D + 1 tokens) ahead of the CPU committed length
+    prefix = committed + torch.randint(0, depth + 2, (bs,), generator=g)
+    bonus = torch.randint(0, 24, (bs,), generator=g)
+    ct = du.compile_tree(tree, bonus, prefix, build_custom_mask=False, max_depth=depth, backend="torch")
+    cand = ct.draft_tokens.view(bs, n)
+    predict = torch.randint(0, 24, (bs, n), generator=g)
+    for b in range(bs):
+        for i in range(n):
+            child = int(ct.retrieve_next_token[b, i])
+            if child >= 0 and torch.rand((), generator=g) < 0.85:
+                predict[b, i] = cand[b, child]
+    return ct, cand, predict, committed, prefix, bonus
+
+
+@pytest.mark.parametrize("budget", [1, 15, 63])
+def test_round_accept_commit_and_kv_move(parse, budget):
+    from sglang.srt.speculative.ddtree_info_v2 import (
+        ddtree_accept_greedy,
+        ddtree_kv_move_locs,
+        ddtree_verify_slots,
+    )
+
+    args = parse(f"--attention-backend triton --speculative-ddtree-budget {budget}")
+    n, depth, block = budget + 1, args.speculative_num_steps, args.speculative_dflash_block_size
+    for seed in range(4):
+        ct, cand, predict, committed, prefix, bonus = _round(args, seed)
+        bs = cand.shape[0]
+        pool, rows, reserve = _reserve_rows(args, committed)
+        # every slot the round touches lies inside the reservation of the lagging committed length
+        assert bool((prefix + max(block, n + depth + 1) <= committed + reserve).all())
+        slots = ddtree_verify_slots(pool.req_to_token, rows, prefix, n + depth + 1)
+        for b in range(bs):
+            p = int(prefix[b])
+            assert slots[b].tolist() == pool.req_to_token[rows[b], p : p + n + depth + 1].long().tolist()
+
+        index = torch.arange(bs * n).view(bs, n)
+        acc_idx, acc_len, new_bonus = ddtree_accept_greedy(
+            cand, predict, index, ct.retrieve_next_token, ct.retrieve_next_sibling, depth
+        )
+        ref = du.verify_greedy_reference(cand, ct.retrieve_next_token, ct.retrieve_next_sibling, predict, depth)
+        for got, want in zip((acc_idx, acc_len, new_bonus), ref):
+            assert torch.equal(got, want)
+        out, commit, path = du.tree_commit_layout(acc_idx, acc_len, new_bonus, cand, block)
+
+        # Stand-in for one layer's K buffer: slot s holds the value of the verify node written
+        # there; both copies run as one parallel gather-scatter each, like the copy kernel.
+        kv = torch.full((4097,), -1, dtype=torch.int64)
+        for b in range(bs):
+            kv[slots[b, :n]] = b * 1000 + torch.arange(n)
+        for tgt, src in ddtree_kv_move_locs(slots, path, n, depth):
+            assert not set(tgt.tolist()) & set(src.tolist())  # race-free in one launch
+            kv[tgt] = kv[src].clone()
+        for b in range(bs):
+            c = int(commit[b])
+            committed_slots = slots[b, :c]
+            assert kv[committed_slots].tolist() == [b * 1000 + int(j) for j in acc_idx[b, :c]]
+
+        # what the scheduler's _resolve_spec_v2_tokens takes from the result: stride = block
+        flat, lens = out.reshape(-1).tolist(), commit.tolist()
+        for b in range(bs):
+            taken = flat[b * block : b * block + lens[b]]
+            want = [int(cand[b, j]) for j in acc_idx[b, 1 : lens[b]]] + [int(new_bonus[b])]
+            assert taken == want
+
+
+def test_resolve_spec_v2_tokens_consumes_the_layout(parse):
+    """The real scheduler method on the DDTREE result layout (the scheduler and requests are
+    stand-ins: a Req needs a tokenizer and a running scheduler)."""
+    from sglang.srt.managers.scheduler_components.batch_result_processor import (
+        SchedulerBatchResultProcessor as BatchResultProcessor,
+    )
+
+    args = parse("--attention-backend triton --speculative-ddtree-budget 15")
+    depth, block = args.speculative_num_steps, args.speculative_dflash_block_size
+    ct, cand, predict, *_ = _round(args, 3)
+    acc_idx, acc_len, bonus = du.verify_greedy_reference(
+        cand, ct.retrieve_next_token, ct.retrieve_next_sibling, predict, depth
+    )
+    out, commit, _ = du.tree_commit_layout(acc_idx, acc_len, bonus, cand, block)
+
+    class Req(SimpleNamespace):
+        def finished(self):
+            return False
+
+        def update_spec_correct_drafts_histogram(self, n):
+            self.hist.append(n)
+
+    reqs = [Req(is_retracted=False, grammar=None, kv_committed_len=10, spec_verify_ct=0,
+                spec_num_correct_drafts=0, hist=[]) for _ in range(cand.shape[0])]
+    seen = {}
+    owner = SimpleNamespace(model_worker=SimpleNamespace(
+        on_verify_complete_cpu=lambda per_req, batch_size=0: seen.update(per_req=per_req)))
+    result = SimpleNamespace(next_token_ids=out.reshape(-1), accept_lens=commit, block_accept_lens=None,
+                             cap_lens=None, speculative_num_draft_tokens=block)
+    tokens = BatchResultProcessor._resolve_spec_v2_tokens(owner, result, SimpleNamespace(reqs=reqs))
+    for b, req in enumerate(reqs):
+        walk = [int(cand[b, j]) for j in acc_idx[b] if int(j) > 0] + [int(bonus[b])]
+        assert tokens[b] == walk
+        assert req.kv_committed_len == 10 + len(walk)
+        assert req.hist == [int(acc_len[b])]
+    assert seen["per_req"] == acc_len.tolist()
+
+
+def test_proposer_matches_the_ddtree_utils_pipeline(parse):
+    """DDTreeProposer (the draft-graph tail hook) on the CPU = ddtree_utils step by step."""
+    from sglang.srt.speculative.ddtree_worker_v2 import DDTreeProposer
+
+    g = torch.Generator().manual_seed(0)
+    block, budget, depth, k, hidden, vocab = 16, 31, 15, 8, 24, 50
+    weight = torch.randn(vocab, hidden, generator=g)
+    prop = DDTreeProposer(weight=weight, num_org=vocab, org_vocab_start=0, block_size=block,
+                          budget=budget, topk=k, max_depth=depth, max_bs=3)
+    hs = torch.randn(3 * block, hidden, generator=g)
+    got = prop.compute(hs)
+    logits = (hs.view(3, block, hidden)[:, 1 : 1 + depth] @ weight.T)
+    logp, ids = du.draft_topk_logprobs(logits, k, backend="torch")
+    tree = du.build_tree_reference(logp, ids, budget)
+    zeros = torch.zeros(3, dtype=torch.int64)
+    ct = du.compile_tree(tree, zeros, zeros, build_custom_mask=False, max_depth=depth, backend="torch")
+    want = (ct.draft_tokens.view(3, budget + 1), ct.depth, ct.retrieve_next_token,
+            ct.retrieve_next_sibling, ct.tree_mask)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    prop(hs)  # the capture-hook form writes the static buffers
+    for a, b in zip(prop.captured(3), want):
+        assert torch.equal(a, b)
+
+
+def test_decode_reserve_len_per_algorithm(parse):
+    from sglang.srt.arg_groups.ddtree_hook import ddtree_decode_reserve_len
+    from sglang.srt.runtime_context import get_context, get_server_args
+    from sglang.srt.speculative.dflash_info_v2 import DFlashDraftInputV2
+
+    try:
+        saved = get_server_args()
+    except Exception:  # noqa: BLE001 - none set yet in this process
+        saved = None
+    try:
+        ddtree = parse("--attention-backend triton --speculative-ddtree-budget 63")
+        get_context().set_server_args(ddtree)
+        assert DFlashDraftInputV2.decode_reserve_len(64) == ddtree_decode_reserve_len(ddtree)
+        dflash = parse("--attention-backend triton", algorithm="DFLASH")
+        get_context().set_server_args(dflash)
+        assert DFlashDraftInputV2.decode_reserve_len(BLOCK) == 2 * BLOCK
+    finally:
+        if saved is not None:
+            get_context().set_server_args(saved)
+
+
+def test_topk_formula_covers_the_reservation(parse):
+    for budget in (1, 2, 7, 15, 31, 63, 127, 255, 1023):
+        args = parse(f"--attention-backend triton --speculative-ddtree-budget {budget}")
+        from sglang.srt.arg_groups.ddtree_hook import ddtree_decode_reserve_len
+
+        steps, topk = args.speculative_num_steps, args.speculative_eagle_topk
+        assert topk == max(2, math.ceil(ddtree_decode_reserve_len(args) / (2 * steps)))
