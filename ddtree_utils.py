@@ -1858,3 +1858,115 @@ def tree_commit_layout(
     out = torch.where(cols < acc.view(bs, 1), tokens, 0)
     out = torch.where(cols == acc.view(bs, 1), bonus.to(torch.int64).view(bs, 1), out)
     return out, (acc + 1).to(torch.int32), path
+
+
+# ----------------------------------------------------------------------------------------------
+# Serving limits: server-argument numbers derived from the budget (shared by every pin)
+# ----------------------------------------------------------------------------------------------
+# Plain integer arithmetic on the values SGLang's server args and memory plan hold; the patches
+# of each pin call these, so the rules stay the same across pins. Units are tokens (= KV slots
+# at page size 1) unless a name says bytes.
+
+# Dense float32 [V] rows a sampled verify keeps per verify token besides the logits themselves
+# (the bounded-memory sampler's workspace, at most 2x the verify logits).
+VERIFY_SAMPLING_WORKSPACE_ROWS = 2
+# Share of the memory free after startup that the verify logits and the sampler may use; the
+# rest is left to the forward's activations (bounded separately by max_forward_tokens).
+VERIFY_LOGITS_MEMORY_SHARE = 0.5
+
+
+def max_accept_depth(budget: int, block_size: int) -> int:
+    """Most draft tokens one round can accept: the tree depth is capped by the draft block."""
+    return max(0, min(int(budget), int(block_size) - 1))
+
+
+def decode_kv_reservation(budget: int, block_size: int) -> int:
+    """KV slots one request allocates at the peak of a round (page size 1).
+
+    A v1 round allocates the draft block (``block_size`` slots), frees it before the verify,
+    then allocates the verify tree (``budget + 1`` slots) and frees the rejected nodes after
+    it, so the peak per request is ``max(block_size, budget + 1)``.
+    """
+    return max(int(block_size), int(budget) + 1)
+
+
+def spec_steps_and_topk(budget: int, block_size: int) -> tuple[int, int]:
+    """``(speculative_num_steps, speculative_eagle_topk)`` for a DDTree target.
+
+    SGLang reserves ``max(num_steps * topk, num_draft_tokens)`` KV slots per request and decode
+    round (page size 1, spec v1); topk must be > 1 so that the fa3 and Mamba backends take
+    their tree paths. ``(1, decode_kv_reservation)`` makes the reservation exactly the peak.
+    """
+    return 1, max(2, decode_kv_reservation(budget, block_size))
+
+
+def verify_token_limit(
+    free_bytes: int,
+    vocab_size: int,
+    max_forward_tokens: int,
+    extra_bytes_per_token: int = 0,
+) -> int:
+    """Most tokens one verify forward may hold, from the memory left after startup.
+
+    Each verify token gets a float32 ``[V]`` logits row plus the sampler's workspace
+    (``VERIFY_SAMPLING_WORKSPACE_ROWS`` more rows) and ``extra_bytes_per_token`` (e.g. the
+    captured hidden states); together they may use ``VERIFY_LOGITS_MEMORY_SHARE`` of
+    ``free_bytes``. ``max_forward_tokens`` (the largest extend forward the memory plan was sized
+    for, SGLang's chunked prefill size) bounds the activations. At least 1.
+    """
+    per_token = 4 * int(vocab_size) * (1 + VERIFY_SAMPLING_WORKSPACE_ROWS) + int(
+        extra_bytes_per_token
+    )
+    by_memory = int(max(0, int(free_bytes)) * VERIFY_LOGITS_MEMORY_SHARE) // max(1, per_token)
+    return max(1, min(int(max_forward_tokens), by_memory))
+
+
+def verify_max_running_requests(
+    token_limit: int, budget: int, block_size: int, requested: int
+) -> int:
+    """Running-request cap so that every forward of a round (the draft block, ``block_size``
+    tokens a request, and the verify, ``budget + 1``) stays within ``token_limit``. At least 1
+    and at most ``requested``."""
+    per_request = decode_kv_reservation(budget, block_size)
+    return max(1, min(int(requested), int(token_limit) // per_request))
+
+
+def graph_batch_size(bs: int, captured: list[int] | tuple[int, ...]) -> int | None:
+    """The smallest captured batch size >= ``bs`` (``captured`` sorted ascending), or None
+    when ``bs`` is larger than every captured size (the caller then runs eagerly)."""
+    for size in captured:
+        if size >= bs:
+            return int(size)
+    return None
+
+
+def unsupported_sampling_param(
+    *,
+    repetition_penalty: float = 1.0,
+    frequency_penalty: float = 0.0,
+    presence_penalty: float = 0.0,
+    min_new_tokens: int = 0,
+    sampling_seed: int | None = None,
+    custom_logit_processor: object | None = None,
+) -> str | None:
+    """The first request parameter the tree verify cannot apply exactly, or None.
+
+    SGLang applies penalties (and the min-new-tokens EOS mask) as one vector per request to
+    every verify row; in a tree each node has its own ancestors, so these would be inexact. A
+    custom logit processor sees one row per request in plain decoding and a per-request
+    ``sampling_seed`` fixes the plain sampler's draws, neither of which a tree can reproduce.
+    Returns the parameter's name (as in the API) with its value.
+    """
+    if repetition_penalty != 1.0:
+        return f"repetition_penalty={repetition_penalty}"
+    if frequency_penalty != 0.0:
+        return f"frequency_penalty={frequency_penalty}"
+    if presence_penalty != 0.0:
+        return f"presence_penalty={presence_penalty}"
+    if min_new_tokens and min_new_tokens > 0:
+        return f"min_new_tokens={min_new_tokens}"
+    if sampling_seed is not None:
+        return f"sampling_seed={sampling_seed}"
+    if custom_logit_processor:
+        return "custom_logit_processor"
+    return None

@@ -168,11 +168,20 @@ def probe_server_args(models_root: Path, version: str | None = None) -> dict:
         "budget": args.speculative_ddtree_budget,
         "block_size": args.speculative_dflash_block_size,
         "num_draft_tokens": args.speculative_num_draft_tokens,
-        "num_steps": args.speculative_num_steps,
+        # Per-decode KV reservation (spec v1, page 1): a round's peak, max(block, budget + 1).
+        "kv_reservation": max(args.speculative_num_steps * args.speculative_eagle_topk,
+                              args.speculative_num_draft_tokens),
         "overlap_disabled": args.disable_overlap_schedule,
     }
     want = {"algorithm": "DDTREE", "budget": 31, "block_size": 16, "num_draft_tokens": 32,
-            "num_steps": 15, "overlap_disabled": version in NO_OVERLAP_PINS or version is None}
+            "overlap_disabled": version in NO_OVERLAP_PINS or version is None}
+    # spec v1 (0.5.13.post1): the reservation is a round's peak; spec v2 pins keep num_steps = depth.
+    if want["overlap_disabled"]:
+        want["kv_reservation"] = 32
+    else:
+        want["num_steps"] = 15
+    got["num_steps"] = args.speculative_num_steps
+    got = {k: got[k] for k in want}
     if got != want:
         raise AssertionError(f"DDTREE server args: got {got}, want {want}")
     if args.speculative_eagle_topk < 2:

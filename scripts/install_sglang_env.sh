@@ -32,7 +32,7 @@ else
   "$PY" -m pip install -q "torch==2.14.1" "torchvision==0.29.1" "transformers==5.8.1" "openai==2.6.1" \
     numpy orjson psutil pybase64 requests triton packaging pillow starlette tqdm IPython pydantic \
     aiohttp pyzmq partial_json_parser dill sentencepiece einops compressed-tensors gguf msgspec \
-    setproctitle uvicorn fastapi
+    setproctitle uvicorn fastapi uvloop
   echo "sglang env: installed sglang 0.5.13.post1 into $VENV"
 fi
 

@@ -238,6 +238,22 @@ def mixed_batch(
     }
 
 
+def mixed_batch_check(port: int, prompts: list[list[int]], max_new: int, reference: list[list[int]]) -> dict:
+    """Greedy and sampled (T 0.7, top-p 0.9, no top-k) requests in one batch: the server must
+    answer (upstream DFLASH hung here, patch 0008) and greedy rows must equal greedy-only."""
+    greedy_sp = {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}
+    sampled_sp = {"max_new_tokens": max_new, "temperature": 0.7, "top_p": 0.9, "ignore_eos": True}
+    params = [greedy_sp if i % 2 == 0 else sampled_sp for i in range(len(prompts))]
+    try:
+        code, outs = post(port, "/generate", {"input_ids": prompts, "sampling_params": params}, timeout=120)
+    except OSError as e:  # a hang shows up as a timeout
+        return {"mixed_batch_served": False, "mixed_batch_error": repr(e)}
+    if code != 200:
+        return {"mixed_batch_served": False, "mixed_batch_error": str(outs)[:200]}
+    greedy_equal = all(outs[i]["output_ids"] == reference[i] for i in range(0, len(prompts), 2))
+    return {"mixed_batch_served": True, "mixed_batch_greedy_equal": greedy_equal}
+
+
 def extra_checks(
     cfg: Config,
     port: int,
@@ -384,6 +400,10 @@ def run_config(
             rec["checks"] = extra_checks(
                 cfg, port, prompts, max_new, rec["outputs"], vocab
             )
+        if cfg.kind == "dflash" or cfg.extras_checks:
+            rec.setdefault("checks", {}).update(
+                mixed_batch_check(port, prompts, max_new, rec["outputs"])
+            )
     except Exception as e:  # noqa: BLE001 - any failure is recorded in the summary
         rec["error"] = repr(e)
     finally:
@@ -469,6 +489,8 @@ def passed(c: Config) -> bool:
         "server_info_ddtree",
     )
     if c.extras_checks and not all(ch.get(k) for k in keys):
+        return False
+    if "mixed_batch_served" in ch and not (ch["mixed_batch_served"] and ch.get("mixed_batch_greedy_equal")):
         return False
     return not (c.debug_metrics and not ch.get("debug_metrics_present"))
 

@@ -78,8 +78,10 @@ def test_verify_tree_greedy_kernel_matches_reference(budget):
 
 
 @pytest.mark.parametrize("budget", [15, 255])
-def test_sampling_kernel_with_one_hot_targets_matches_greedy_reference(budget):
-    assert dflash_info.tree_speculative_sampling_target_only is not None
+def test_sampled_accept_with_one_hot_targets_matches_greedy_reference(budget):
+    """top_k = 1 makes every node's target draw its argmax: the sampled path (one
+    ddtree_utils.sample_from_logits draw per node + verify_tree_greedy) must accept the
+    greedy reference's path."""
     vi, cand, predict, depth = _case(budget, bs=8, seed=1000 + budget)
     bs, n = cand.shape
     logits = torch.randn(bs * n, VOCAB, device="cuda")
@@ -88,6 +90,8 @@ def test_sampling_kernel_with_one_hot_targets_matches_greedy_reference(budget):
         temperatures=torch.full((bs, 1), 0.7, device="cuda"),
         top_ks=torch.ones(bs, dtype=torch.int32, device="cuda"),
         top_ps=torch.full((bs,), 0.9, device="cuda"),
+        min_ps=torch.zeros(bs, device="cuda"),
+        need_min_p_sampling=False,
     )
     got = vi._sampling_accept(cand, logits, info)
     want = ddtree_utils.verify_greedy_reference(

@@ -265,7 +265,7 @@ def test_greedy_verify_matches_reference(m, budget, seed):
     assert freed <= free_now and not (kept & free_now)
 
 
-def test_sampling_verify_with_one_hot_targets_follows_the_path(m):
+def test_sampling_verify_with_one_hot_targets_follows_the_path(m, sampler):
     """top_k=1 makes the target distribution one-hot: sampling must accept the greedy path."""
     seq_lens = [9, 30, 4]
     bs, budget = len(seq_lens), 31
@@ -474,7 +474,7 @@ class _Rank0Group:
         self.calls += 1
 
 
-def test_sampled_decision_is_taken_from_tp_rank0(m, monkeypatch):
+def test_sampled_decision_is_taken_from_tp_rank0(m, monkeypatch, sampler):
     from sglang.srt.distributed import parallel_state
 
     seq_lens = [12, 7]
@@ -539,3 +539,125 @@ def test_tree_builder_matches_ddtree_utils(m, worker_mod):
             assert torch.equal(getattr(got, name), getattr(want, name)), name
     mask = m.ddtree_utils.tree_custom_mask(got.tree_mask, seq_lens)
     assert torch.equal(mask, want.custom_mask)
+
+
+# --- Sampled verify: one target draw per node (ddtree_utils.sample_from_logits) + greedy walk --
+
+
+def _dense_target_probs(m, logits, temperature, top_k, top_p, min_p):
+    """The plain target sampler's distribution, dense (ddtree_utils' reference)."""
+    try:
+        return m.ddtree_utils.target_probs_from_logits(logits, temperature, top_k, top_p, min_p=min_p)
+    except TypeError:
+        # TEMPORARY (until the sampling engineer's ddtree_utils lands on main): the reference
+        # without min_p, with SGLang's min-p rule applied on top (p >= min_p * p_max).
+        probs = m.ddtree_utils.target_probs_from_logits(logits, temperature, top_k, top_p)
+        if min_p is not None:
+            mp = torch.as_tensor(min_p, dtype=probs.dtype).reshape(-1, *([1] * (probs.dim() - 1)))
+            probs = torch.where(probs >= mp * probs.amax(dim=-1, keepdim=True), probs, 0.0)
+            probs = probs / probs.sum(dim=-1, keepdim=True)
+        return probs
+
+
+@pytest.fixture
+def sampler(m, monkeypatch):
+    """ddtree_utils.sample_from_logits, or a TEMPORARY test-only stand-in with the same
+    signature (a multinomial draw from the dense reference) while the sampling engineer's
+    function is not on this branch yet. Remove the stand-in when it lands."""
+    if not hasattr(m.ddtree_utils, "sample_from_logits"):
+        def _stand_in(logits, temperature, top_k, top_p, min_p=None, *, max_top_k=None,
+                      generator=None, backend="auto"):
+            probs = _dense_target_probs(m, logits, temperature, top_k, top_p, min_p)
+            return torch.multinomial(probs.float(), 1, generator=generator).view(-1)
+
+        monkeypatch.setattr(m.ddtree_utils, "sample_from_logits", _stand_in, raising=False)
+    return m.ddtree_utils.sample_from_logits
+
+
+def _real_sampling_info(m, reqs, vocab, monkeypatch, tiny_args):
+    """SamplingBatchInfo.from_schedule_batch over real Reqs (the batch stands in for a
+    ScheduleBatch: only reqs and device are read)."""
+    from sglang.srt import server_args as server_args_mod
+    from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
+
+    class _Batch:  # weak-referenceable, unlike SimpleNamespace (the penalizers keep a weakref)
+        def __init__(self):
+            self.reqs, self.device = reqs, "cpu"
+
+    monkeypatch.setattr(server_args_mod, "_global_server_args", tiny_args)
+    batch = _Batch()
+    return SamplingBatchInfo.from_schedule_batch(batch, vocab), batch
+
+
+@pytest.fixture(scope="module")
+def tiny_args(sglang_overlay, tiny_models):
+    from sglang.srt.server_args import prepare_server_args
+
+    return prepare_server_args(["--model-path", str(tiny_models.target), "--device", "cuda",
+                                "--attention-backend", "triton", "--speculative-algorithm", "DDTREE",
+                                "--speculative-draft-model-path", str(tiny_models.draft)])
+
+
+def _req(m, i, **params):
+    sp = m.SamplingParams(max_new_tokens=64, **params)
+    sp.normalize(None)
+    return m.Req(f"s{i}", "", [3, 4, 5], sp, vocab_size=VOCAB)
+
+
+def test_sampled_verify_draws_the_target_distribution_and_keeps_greedy_rows_exact(
+    m, sampler, monkeypatch, tiny_args
+):
+    """A mixed batch: copies of one sampled request (temperature, top-k, top-p, min-p and a
+    logit bias) and of one greedy request share a tree and verify logits. The first token a
+    sampled row emits is its root node's draw, so its frequencies must match the target's
+    filtered distribution (logit bias included), with no token outside its support; the
+    greedy rows must accept exactly the greedy walk of the argmax."""
+    per, budget = 400, 15
+    n = budget + 1
+    seq_lens = [6] * (2 * per)
+    bs = len(seq_lens)
+    compiled, max_depth = _make_tree(m, 1, budget, [6], 21)
+    cand = compiled.draft_tokens.view(1, n).expand(bs, n).contiguous()
+    gen = torch.Generator().manual_seed(21)
+    node_logits = torch.randn(n, VOCAB, generator=gen) * 2.0
+    logits = node_logits.repeat(bs, 1)
+    bias = {"5": 1.5, "9": -30.0}
+    params = dict(temperature=0.7, top_k=20, top_p=0.9, min_p=0.05, logit_bias=bias)
+    reqs = [_req(m, i, **params) for i in range(per)] + [
+        _req(m, per + i, temperature=0.0) for i in range(per)]
+    info, _batch = _real_sampling_info(m, reqs, VOCAB, monkeypatch, tiny_args)
+    vi = m.DDTreeVerifyInput(
+        draft_token=cand.view(-1), positions=compiled.positions.view(1, n).expand(bs, n).reshape(-1),
+        draft_token_num=n, custom_mask=None,
+        retrieve_index=torch.arange(bs * n).view(bs, n),
+        retrieve_next_token=compiled.retrieve_next_token.expand(bs, n).contiguous(),
+        retrieve_next_sibling=compiled.retrieve_next_sibling.expand(bs, n).contiguous(),
+        max_depth=max_depth,
+    )
+    from sglang.srt.speculative.dflash_info import _apply_verify_logits_adjustments
+
+    _apply_verify_logits_adjustments(logits, info, bs, n)
+    accept_index, accept_len, bonus = vi._sampling_accept(cand, logits, info)
+
+    first = torch.where(
+        accept_len > 0,
+        torch.gather(cand, 1, accept_index[:, 1:2].clamp(min=0)).view(-1),
+        bonus,
+    )
+    biased_root = node_logits[0].clone()
+    biased_root[5] += 1.5
+    biased_root[9] -= 30.0
+    want = _dense_target_probs(m, biased_root.view(1, -1), torch.tensor([0.7]),
+                               torch.tensor([20]), torch.tensor([0.9]), torch.tensor([0.05]))[0]
+    got = torch.bincount(first[:per], minlength=VOCAB).double() / per
+    assert not bool(((want == 0) & (got > 0)).any()), "a token outside the target's support"
+    sigma = (want.double() * (1 - want.double()) / per).sqrt()
+    assert bool(((got - want.double()).abs() <= 5 * sigma + 1.0 / per).all())
+    assert int((want > 0).sum()) >= 2  # the filter leaves a real choice
+
+    greedy_index, greedy_len, greedy_bonus = m.ddtree_utils.verify_greedy_reference(
+        cand[per:], vi.retrieve_next_token[per:], vi.retrieve_next_sibling[per:],
+        logits[per * n:].argmax(dim=-1).view(per, n), max_depth)
+    assert torch.equal(accept_index[per:], greedy_index)
+    assert torch.equal(accept_len[per:], greedy_len)
+    assert torch.equal(bonus[per:], greedy_bonus)

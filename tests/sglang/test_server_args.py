@@ -63,10 +63,10 @@ def assert_ddtree_shape(args, *, block: int, budget: int, topk_cap: int) -> None
     assert args.speculative_ddtree_budget == budget
     assert args.speculative_ddtree_topk_cap == topk_cap
     assert args.speculative_num_draft_tokens == budget + 1  # target verify width
-    assert args.speculative_num_steps == min(budget, block - 1)  # deepest accepted path
     assert args.speculative_eagle_topk > 1  # fa3 / Mamba tree paths
-    # The real per-decode KV reservation covers the draft block and the verify tree.
-    assert get_alloc_len_per_decode(args) >= max(block, budget + 1)
+    # The real per-decode KV reservation is a round's peak: the draft block (released before
+    # the verify) or the verify tree, whichever is larger.
+    assert get_alloc_len_per_decode(args) == max(block, budget + 1)
     assert args.disable_overlap_schedule is True
     assert args.page_size == 1
     # Captured verify graphs stay bounded in tokens (one batch size always remains).
@@ -245,6 +245,12 @@ def test_other_algorithms_are_unchanged(parse):
         (["--page-size", "16"], r"--page-size 1.*got page_size=16"),
         (["--pp-size", "2"], r"DDTREE.*pp_size == 1"),
         (["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention"], r"DDTREE.*dp attention"),
+        (["--speculative-accept-threshold-single", "0.5"],
+         r"DDTREE samples exactly.*--speculative-accept-threshold-single must stay 1.0, got 0.5"),
+        (["--enable-deterministic-inference"],
+         r"DDTREE does not support --enable-deterministic-inference"),
+        (["--speculative-accept-threshold-acc", "0.3"],
+         r"--speculative-accept-threshold-acc must stay 1.0, got 0.3"),
     ],
 )
 def test_invalid_ddtree_configurations(parse, extra, message):
@@ -360,3 +366,135 @@ def test_help_documents_the_flags(sglang_overlay, hook):
     assert "Default: DFlash block size - 1" in text and "starting point" in text
     assert f"Default: min(budget, {hook.DDTREE_DEFAULT_TOPK_CAP})" in text
     assert "refused at startup" in text and "/get_server_info" in text
+
+
+# --------------------------------------------------------------------------------------------
+# Derived serving numbers: KV reservation, drafter graph batch sizes, sliding windows
+
+
+def _round_peak_slots(block: int, budget: int) -> int:
+    """KV slots one request holds at the peak of a v1 DDTREE round, replayed step by step:
+    the draft block is allocated and released, then the verify tree is allocated; the
+    rejected tree nodes are freed after the verify."""
+    held = peak = 0
+    for step in (+block, -block, +(budget + 1)):
+        held += step
+        peak = max(peak, held)
+    return peak
+
+
+@pytest.mark.parametrize("budget", [1, 15, 63, 255, 1023])
+def test_kv_reservation_is_the_round_peak(parse, budget, monkeypatch):
+    from sglang.srt import server_args as server_args_mod
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.mem_cache.common import get_alloc_len_per_decode
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    args = parse("--attention-backend", "triton", "--speculative-ddtree-budget", str(budget))
+    peak = _round_peak_slots(DRAFT_BLOCK, budget)
+    assert get_alloc_len_per_decode(args) == peak
+    # The scheduler's own check (spec v1, page size 1) reserves exactly that per request.
+    monkeypatch.setattr(server_args_mod, "_global_server_args", args)
+    batch = SimpleNamespace(
+        token_to_kv_pool_allocator=SimpleNamespace(page_size=1),
+        reqs=[object(), object(), object()],
+        spec_algorithm=SpeculativeAlgorithm.DDTREE,
+        is_spec_v2=False,
+    )
+    assert ScheduleBatch.new_tokens_required_next_decode(batch) == 3 * peak
+
+
+def test_drafter_keeps_the_untrimmed_cuda_graph_batch_sizes(parse, sglang_overlay):
+    from sglang.srt.speculative import dflash_worker
+
+    dflash = parse("--attention-backend", "triton", algorithm="DFLASH")
+    for budget in (15, 255, 1023):
+        args = parse("--attention-backend", "triton", "--speculative-ddtree-budget", str(budget))
+        assert args.speculative_ddtree_draft_cuda_graph_bs == dflash.cuda_graph_bs
+        assert args.speculative_ddtree_draft_cuda_graph_max_bs == dflash.cuda_graph_max_bs
+        draft = dflash_worker.DDTreeWorker._make_draft_server_args(None, args)
+        assert draft.cuda_graph_bs == dflash.cuda_graph_bs
+        assert draft.cuda_graph_max_bs == dflash.cuda_graph_max_bs
+        assert draft.speculative_num_draft_tokens == DRAFT_BLOCK
+        # The target's list is trimmed for the verify width; the drafter's is not.
+        assert args.cuda_graph_bs == [b for b in dflash.cuda_graph_bs
+                                      if b <= max(1, 4096 // (budget + 1))] or budget == 1023
+    # An explicit --cuda-graph-bs reaches the drafter unchanged.
+    args = parse("--attention-backend", "triton", "--speculative-ddtree-budget", "1023",
+                 "--cuda-graph-bs", "8", "16")
+    assert dflash_worker.DDTreeWorker._make_draft_server_args(None, args).cuda_graph_bs == [8, 16]
+
+
+def _sliding_window_dirs(tmp_path, **target_overrides):
+    dirs = fixtures.write_model_dirs(tmp_path, block_size=16)
+    cfg = fixtures.target_config()
+    cfg.update(target_overrides)
+    (dirs.target / "config.json").write_text(__import__("json").dumps(cfg))
+    return dirs
+
+
+def _parse_dirs(dirs, *extra):
+    from sglang.srt.server_args import prepare_server_args
+
+    return prepare_server_args(["--model-path", str(dirs.target), "--device", "cuda",
+                                "--speculative-algorithm", "DDTREE",
+                                "--speculative-draft-model-path", str(dirs.draft), *extra])
+
+
+GEMMA2_SLIDING = dict(architectures=["Gemma2ForCausalLM"], model_type="gemma2", sliding_window=128,
+                      query_pre_attn_scalar=64, final_logit_softcapping=None,
+                      attn_logit_softcapping=None, hidden_activation="gelu_pytorch_tanh")
+
+
+@pytest.mark.parametrize("backend", ["triton", "flashinfer"])
+def test_sliding_window_target_is_refused_on_position_window_backends(sglang_overlay, tmp_path, backend):
+    dirs = _sliding_window_dirs(tmp_path, **GEMMA2_SLIDING)
+    with pytest.raises(ValueError, match=rf"DDTREE: the target uses sliding-window attention "
+                       rf"\(window 128\), and the {backend} backend .* --attention-backend fa3"):
+        _parse_dirs(dirs, "--attention-backend", backend)
+
+
+def test_sliding_window_target_is_accepted_on_fa3(sglang_overlay, tmp_path):
+    dirs = _sliding_window_dirs(tmp_path, **GEMMA2_SLIDING)
+    args = _parse_dirs(dirs, "--attention-backend", "fa3")
+    assert args.attention_backend == "fa3" and args.speculative_algorithm == "DDTREE"
+
+
+def test_unused_sliding_window_field_is_not_a_window(sglang_overlay, tmp_path, hook):
+    # Qwen-style configs carry `sliding_window` with use_sliding_window false; SGLang's Qwen3
+    # model applies no window, so DDTREE serves it on any tree-mask backend.
+    dirs = _sliding_window_dirs(tmp_path, sliding_window=4096, use_sliding_window=False)
+    args = _parse_dirs(dirs, "--attention-backend", "triton")
+    assert hook.ddtree_target_sliding_window(args) is None
+
+
+def test_sliding_window_architectures_match_the_installed_models(sglang_overlay, hook):
+    """The architecture list equals the EntryClass names whose SGLang model class defines or
+    inherits get_attention_sliding_window_size (read from the installed sources), EAGLE-3
+    drafts aside."""
+    import ast
+    from pathlib import Path
+
+    classes, entries = {}, set()
+    for path in sorted((sglang_overlay.installed / "srt" / "models").glob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8-sig"))
+        for node in tree.body:
+            if isinstance(node, ast.ClassDef):
+                own = any(isinstance(m, ast.FunctionDef) and m.name == "get_attention_sliding_window_size"
+                          for m in node.body)
+                bases = [b.id if isinstance(b, ast.Name) else getattr(b, "attr", "") for b in node.bases]
+                classes.setdefault(node.name, (own, bases))
+            if isinstance(node, ast.Assign) and any(
+                    isinstance(t, ast.Name) and t.id == "EntryClass" for t in node.targets):
+                values = node.value.elts if isinstance(node.value, (ast.List, ast.Tuple)) else [node.value]
+                entries |= {v.id for v in values if isinstance(v, ast.Name)}
+
+    def applies_window(name, seen=()):
+        if name not in classes or name in seen:
+            return False
+        own, bases = classes[name]
+        return own or any(applies_window(b, seen + (name,)) for b in bases)
+
+    want = {e for e in entries if applies_window(e) and "Eagle3" not in e}
+    assert want and set(hook.DDTREE_SLIDING_WINDOW_ARCHS) == want
+    assert Path(sglang_overlay.installed).is_dir()
