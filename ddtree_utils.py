@@ -1222,7 +1222,9 @@ def verify_sampling_reference(
 # renormalised kept distribution up to the noise's resolution: a token can lose only where
 # its probability is below exp(-36) times the largest kept probability.
 
-_SAMPLING_EPS = 1e-6  # SGLang's sampling_params._SAMPLING_EPS: temperature below it is greedy
+_SAMPLING_EPS = (
+    1e-6  # SGLang's sampling_params._SAMPLING_EPS: temperature below it is greedy
+)
 _SAMPLE_BLOCK = 1024  # vocabulary columns per step of the linear passes (Triton)
 _SAMPLE_SBLOCK = 256  # columns per step of a search pass (x _SAMPLE_PIVOTS keys)
 _SAMPLE_PIVOTS = 16  # keys evaluated per search pass (lo, hi and 14 between)
@@ -1231,7 +1233,7 @@ _TORCH_WORK_ELEMS = 1 << 20  # torch path: rows per chunk = this // V (at least 
 
 
 def _per_row(
-    v: Tensor | float | int | None,
+    v: Tensor | float | None,
     rows: int,
     fill: float,
     dtype: torch.dtype,
@@ -1320,7 +1322,9 @@ def _sample_rows_torch(
         if shift < 24:  # only the tokens inside the bucket chosen so far
             idx.masked_fill_((key >> (shift + 8)) != prefix, r * 256)
         flat = idx.view(-1)
-        if device.type == "cpu":  # same sums; bincount is faster there (it syncs on CUDA)
+        if (
+            device.type == "cpu"
+        ):  # same sums; bincount is faster there (it syncs on CUDA)
             cnt = torch.bincount(flat, minlength=r * 256 + 1).double()
             mass = torch.bincount(flat, prob.view(-1), minlength=r * 256 + 1)
         else:
@@ -1419,7 +1423,9 @@ if triton is not None:
         kk = tl.load(k_ptr + row)
         pp = tl.load(p_ptr + row)
         t_lo = tl.maximum(peak + tl.load(lmp_ptr + row), s_min)
-        lo = _key_of(t_lo) - 1  # Q(lo) is taken as false: no candidate lies at or below lo
+        lo = (
+            _key_of(t_lo) - 1
+        )  # Q(lo) is taken as false: no candidate lies at or below lo
         hi = _key_of(peak)  # Q(max) is true: nothing lies strictly above the max
         search = sample & ((kk < V) | (pp < float("inf")))
         inside = tl.where(search, 1, 0)
@@ -1470,7 +1476,7 @@ if triton is not None:
                 s = s / temp + 0.0
                 keep = (s >= thr) & (cols < V)
                 if tl.max(keep.to(tl.int32), axis=0) > 0:
-                    r0, r1, r2, r3 = tl.randint4x(seed, cols)
+                    r0, r1, _, _ = tl.randint4x(seed, cols)
                     u = ((r0 >> 5).to(tl.float64) * 67108864.0 + (r1 >> 6).to(tl.float64) + 0.5) * (1.0 / 9007199254740992.0)  # fmt: skip
                     score = tl.where(keep, s.to(tl.float64) - tl.log(-tl.log(u)), NEG)
                     better = score > best_v
@@ -1639,7 +1645,9 @@ def sample_tree_targets(
             return None
         v = torch.as_tensor(v, device=logits.device).reshape(-1)
         if v.numel() != bs:
-            raise ValueError(f"per-request parameter has {v.numel()} values for {bs} requests")
+            raise ValueError(
+                f"per-request parameter has {v.numel()} values for {bs} requests"
+            )
         return v.repeat_interleave(n_per_req)
 
     token = sample_from_logits(
@@ -1678,7 +1686,7 @@ def target_probs_from_logits(
     """
     squeeze = logits.dim() == 2
     x = logits.unsqueeze(1) if squeeze else logits
-    bs, n, vocab = x.shape
+    bs, _, vocab = x.shape
     device = x.device
     temp, kk, pp, log_mp, greedy = (
         t.reshape(bs, 1, 1)

@@ -61,13 +61,13 @@ def main() -> int:
         x = torch.randn(rows, args.vocab, device="cuda").to(dtype)
         for name, p in SETS.items():
             if p is None:
-                fn = lambda: torch.argmax(x, dim=-1)  # noqa: E731
+                fn = lambda x=x: torch.argmax(x, dim=-1)
             else:
                 t, k, pp = p
                 temp = torch.full((rows,), t, device="cuda")
                 top_k = torch.full((rows,), k, dtype=torch.int32, device="cuda")
                 top_p = torch.full((rows,), pp, device="cuda")
-                fn = lambda: du.sample_from_logits(x, temp, top_k, top_p, None, backend=args.backend)  # noqa: E731
+                fn = lambda x=x, t=temp, k=top_k, pp=top_p: du.sample_from_logits(x, t, k, pp, None, backend=args.backend)
             fn()
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()

@@ -294,7 +294,7 @@ def test_no_host_sync_or_data_dependent_shape_on_the_device_path():
     torch.cuda.set_sync_debug_mode('error').)"""
     rows, vocab = 7, 1000
     x = torch.empty(rows, vocab, device="meta")
-    p = lambda v, dt=torch.float32: torch.full((rows,), v, dtype=dt, device="meta")  # noqa: E731
+    p = lambda v, dt=torch.float32: torch.full((rows,), v, dtype=dt, device="meta")
     tok = du.sample_from_logits(x, p(0.7), p(5, torch.int32), p(0.9), p(0.1), backend="torch")
     assert tok.shape == (rows,) and tok.dtype == torch.int64 and tok.device.type == "meta"
     got = du.sample_tree_targets(
@@ -372,7 +372,7 @@ def test_tree_walk_with_samples_is_lossless():
     lp, ids = du.draft_topk_logprobs(torch.randn(1, 3, vocab, generator=gen), 3)
     roots = torch.zeros(samples, dtype=torch.int64)
     cand, acc, acc_len, bonus = run_tree_round(roots, lp, ids, 6, logits_of_token, params, gen)
-    take = lambda i: cand.gather(1, acc[:, i : i + 1].clamp_min(0)).squeeze(1)  # noqa: E731
+    take = lambda i: cand.gather(1, acc[:, i : i + 1].clamp_min(0)).squeeze(1)
     first = torch.where(acc_len >= 1, take(1), bonus)
     second = torch.where(acc_len >= 2, take(2), torch.where(acc_len == 1, bonus, -1))
     redo = second == -1
