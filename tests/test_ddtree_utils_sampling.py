@@ -21,6 +21,15 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+import os as _os
+
+# The Triton interpreter at V = 151936 did not finish within 20 min on a 2-core CPU; on CUDA the
+# same kept sets are checked by tests/gpu/test_sampling_cuda.py. Opt in with DDTREE_RUN_INTERP_FULL_VOCAB=1.
+_INTERP_FULL_VOCAB = pytest.mark.skipif(
+    not _os.environ.get("DDTREE_RUN_INTERP_FULL_VOCAB"),
+    reason="Triton interpreter at full vocabulary is too slow on CPU (GPU test covers it)",
+)
+
 import ddtree_utils as du
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -201,7 +210,7 @@ def test_greedy_rows_give_the_first_argmax():
     assert torch.equal(probs[[0, 1, 2, 4]].sum(-1), torch.ones(4))
 
 
-@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=[pytest.mark.slow, _INTERP_FULL_VOCAB])])
 def test_top_p_one_keeps_every_token_at_full_vocab(backend):
     """top_p = 1 is an exact no-op at V = 151936: every token keeps its softmax mass (the old
     float32 cumsum reached 1 early and dropped the tail); both backends keep the whole row."""
@@ -219,7 +228,7 @@ def test_top_p_one_keeps_every_token_at_full_vocab(backend):
     assert bool((thr <= (x / 0.7).amin(dim=1)).all())
 
 
-@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=[pytest.mark.slow, _INTERP_FULL_VOCAB])])
 def test_flat_row_kept_set_at_full_vocab(backend):
     """Random logits at T = 0.7, top_p = 0.9 keep ~87k of 151936 tokens: the case that defeats a
     top-k fast path. The kernel's threshold search and the torch radix select keep the same set,
