@@ -13,7 +13,7 @@ src=$(mktemp -d); trap 'rm -rf "$src"' EXIT
 git -C "$root" archive "$rev" snapshot patches ddtree_utils.py | tar -x -C "$src"
 rm -rf "$out"; mkdir -p "$out"
 cp -r "$src/snapshot/sglang-$pin/srt" "$out/"
-grep -v '^\s*#' "$src/patches/$pin/series" | grep -v '^\s*$' | while read -r p; do
+{ grep -v '^\s*#' "$src/patches/$pin/series" || true; } | { grep -v '^\s*$' || true; } | while read -r p; do
   (cd "$out" && patch -p1 -s --no-backup-if-mismatch -F0 < "$src/patches/$pin/$p")
 done
 cp "$src/ddtree_utils.py" "$out/srt/speculative/ddtree_utils.py"

@@ -6,7 +6,7 @@ Fixtures:
                    Request it BEFORE importing anything from sglang (import inside the test).
   tiny_models      (session) config dirs of a tiny Qwen3 target and DFlash draft (block size 16).
 
-The build is assembled fresh from snapshot + patches/series + ddtree_utils.py into a temp dir
+The build (pin 0.5.13.post1) is assembled fresh from snapshot + patches/0.5.13.post1/series + ddtree_utils.py into a temp dir
 (set DDTREE_BUILD_DIR=<dir> to test an existing build instead). Tests here are marked `sglang`
 and skip when sglang is not installed in this Python.
 """
