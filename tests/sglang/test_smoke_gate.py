@@ -39,13 +39,15 @@ def test_gate_fails_when_validation_is_broken(sglang_overlay, tmp_path):
     shutil.copytree(sglang_overlay.build_dir, broken)
     hook = broken / "srt/arg_groups/speculative_hook.py"
     text = hook.read_text()
-    check = "if not 1 <= budget <= DDTREE_MAX_BUDGET:"
+    # Break the budget derivation: budget 0 is still refused further down (ddtree_utils' serving
+    # limits check it too), so the mutation makes a valid budget resolve to the wrong value.
+    check = "    budget = int(budget)\n"
     assert check in text
-    hook.write_text(text.replace(check, "if False:"))
+    hook.write_text(text.replace(check, "    budget = int(budget) + 1\n", 1))
     proc = run_gate(broken)
     assert proc.returncode == sglang_smoke.FAILED
     summary = last_line(proc.stdout)
-    assert summary.startswith("sglang smoke FAILED") and "budget 0" in summary, summary
+    assert summary.startswith("sglang smoke FAILED") and "DDTREE server args" in summary, summary
 
 
 def test_missing_build_is_a_usage_error(tmp_path, capsys):
