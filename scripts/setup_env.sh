@@ -4,6 +4,22 @@
 set -euo pipefail
 VENV=${1:-.venv}
 cd "$(dirname "$0")/.."
+# The deploy tests start real sshd servers in network namespaces and restart services with
+# start-stop-daemon: install those system tools when we can (root + apt), else name the command.
+need=()
+[ -x /usr/sbin/sshd ] || need+=(openssh-server)
+command -v ip >/dev/null || need+=(iproute2)
+command -v start-stop-daemon >/dev/null || need+=(dpkg)
+if [ ${#need[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "setup: installing ${need[*]} (deploy test bed)"
+    DEBIAN_FRONTEND=noninteractive apt-get update -q >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${need[@]}" >/dev/null
+  else
+    echo "setup: the deploy tests need ${need[*]}; install them with:" >&2
+    echo "  sudo apt-get install -y ${need[*]}" >&2
+  fi
+fi
 if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
 fi

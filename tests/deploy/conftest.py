@@ -16,11 +16,17 @@ from deploy_cli import CLI, VENV_BIN, host_toml, inventory_text, run_cli  # noqa
 
 
 def _need_root_tools() -> str | None:
+    """Why the test bed cannot start here, or None. Only a missing root account is a reason to skip
+    (nothing to install fixes it); a root machine without the system tools is a setup error."""
     if os.geteuid() != 0:
         return "needs root (sshd, network namespaces)"
-    for tool in (tb.SSHD, shutil.which("ip"), shutil.which("start-stop-daemon"), shutil.which("ssh-keygen")):
-        if not tool or not Path(tool).exists():
-            return "needs openssh-server, iproute2 and start-stop-daemon (.ci/run installs them)"
+    missing = [name for name, tool in (("openssh-server", tb.SSHD), ("iproute2", shutil.which("ip")),
+                                       ("dpkg (start-stop-daemon)", shutil.which("start-stop-daemon")),
+                                       ("openssh-client", shutil.which("ssh-keygen")))
+               if not tool or not Path(tool).exists()]  # fmt: skip
+    if missing:
+        pytest.fail(f"the deploy test bed needs {', '.join(missing)}: run `make setup` as root "
+                    "(it installs them with apt-get)", pytrace=False)
     return None
 
 
