@@ -177,7 +177,7 @@ def summarize(concurrency: int, results: list[RequestResult], wall_s: float) -> 
     forwards = [(r.latency_s * 1000.0) / ((1 + r.verify_ct) if r.verify_ct else max(1, r.completion_tokens)) for r in ok]
     return LevelResult(
         concurrency=concurrency, requests=len(results), ok_requests=len(ok), errors=errors[:5],
-        wall_s=round(wall_s, 4), output_tokens=tokens,
+        wall_s=round(wall_s, 6), output_tokens=tokens,
         output_tokens_per_s=round(tokens / wall_s, 2) if ok and wall_s > 0 else None,
         accept_length=round(accept, 4) if accept is not None else None,
         accept_per_round=round(per_round, 4) if per_round is not None else None,
