@@ -7,7 +7,7 @@ Issue 13, item 1. The Qwen3-8B-shaped dummy-weight pair of bench/round_cost.py (
 One DDTREE server per budget (started in parallel, KV capped with --max-total-tokens), each then
 measured alone: for every batch size and every sampling setting (greedy, T 0.7 without top_k / top_p,
 T 0.7 with top_k 20, T 0.7 with top_p 0.9, T 0.7 with both) `bs` concurrent requests of 512 random
-prompt tokens, 8 then 136 new tokens (ignore_eos), per-round ms = (t136 - t8) / (rounds136 - rounds8)
+prompt tokens, 8 then N (--new, 72) new tokens (ignore_eos), per-round ms = (tN - t8) / (roundsN - rounds8)
 from the requests' spec_verify_ct. "served" means every request answered with all its tokens and the
 server still alive afterwards. Peak memory: the server's processes' GPU memory as nvidia-smi reports
 it, polled every 0.2 s during the setting (torch's caching allocator holds what the round allocated,
@@ -32,7 +32,7 @@ import time
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from round_cost import COMMON_BY_PIN, DRAFT, TARGET, post  # noqa: E402
+from round_cost import COMMON_BY_PIN, DRAFT, TARGET, post
 
 SETTINGS = {  # name: sampling params on top of max_new_tokens / ignore_eos
     "greedy": {"temperature": 0},
@@ -46,10 +46,10 @@ SETTINGS = {  # name: sampling params on top of max_new_tokens / ignore_eos
 def group_gpu_mib(pgid: int) -> int:
     """GPU memory (MiB) of every process in the server's process group, from nvidia-smi."""
     try:
-        pids = {int(x) for x in subprocess.run(["ps", "-o", "pid=", "-g", str(pgid)], capture_output=True,
+        pids = {int(x) for x in subprocess.run(["ps", "-o", "pid=", "-g", str(pgid)], capture_output=True, check=False,
                                                text=True, timeout=5).stdout.split()}
         q = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                           capture_output=True, text=True, timeout=5).stdout
+                           check=False, capture_output=True, text=True, timeout=5).stdout
     except (OSError, subprocess.TimeoutExpired):
         return -1
     total = 0
@@ -81,7 +81,7 @@ class PeakPoller:
 
 def concurrent_run(port: int, prompts: list, params: dict, new: int) -> tuple[float, int, int]:
     """`len(prompts)` concurrent single requests. Returns (wall s, max spec_verify_ct, tokens)."""
-    body = lambda ids: {"input_ids": ids, "sampling_params": dict(params, max_new_tokens=new, ignore_eos=True)}  # noqa: E731
+    body = lambda ids: {"input_ids": ids, "sampling_params": dict(params, max_new_tokens=new, ignore_eos=True)}
     t = time.time()
     with cf.ThreadPoolExecutor(len(prompts)) as ex:
         outs = list(ex.map(lambda ids: post(port, body(ids), timeout=240), prompts))
@@ -129,6 +129,7 @@ def main() -> int:
     ap.add_argument("--bs", default="32,48")
     ap.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated names of SETTINGS")
     ap.add_argument("--mem-fraction-static", default="0.85")
+    ap.add_argument("--new", type=int, default=72, help="new tokens of the long run")
     ap.add_argument("--port", type=int, default=30300)
     ap.add_argument("--deadline", type=float, default=560, help="seconds for the whole run")
     a = ap.parse_args()
@@ -143,7 +144,7 @@ def main() -> int:
     settings = [s for s in a.settings.split(",") if s]
     common = shlex.split(COMMON_BY_PIN[a.pin])
     # room for max(bs) requests of 512 + 136 tokens plus a round's reservation, in a shared GPU
-    for flag, value in (("--max-running-requests", str(max(bss))), ("--max-total-tokens", str(max(bss) * 1200)),
+    for flag, value in (("--max-running-requests", str(max(bss))), ("--max-total-tokens", str(max(bss) * (512 + a.new + 2 * max(budgets) + 64))),
                         ("--mem-fraction-static", a.mem_fraction_static)):
         common[common.index(flag) + 1] = value
     procs = {}
@@ -179,8 +180,8 @@ def main() -> int:
                         with PeakPoller(p.pid) as poll:
                             concurrent_run(port, prompts, SETTINGS[s], 8)
                             ws, cs, _ = concurrent_run(port, prompts, SETTINGS[s], 8)
-                            wl, cl, tok = concurrent_run(port, prompts, SETTINGS[s], 136)
-                        ok = tok == 136 * bs and alive(port)
+                            wl, cl, tok = concurrent_run(port, prompts, SETTINGS[s], a.new)
+                        ok = tok == a.new * bs and alive(port)
                         r.update(served=ok, round_ms=round(1000 * (wl - ws) / max(1, cl - cs), 3), rounds=cl - cs,
                                  tokens=tok, peak_mib=poll.peak, **({} if ok else {"error": "short output or server died"}))
                     except Exception as e:  # noqa: BLE001 - recorded in the table
