@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from deploy.errors import RemoteRefused, RemoteUnreachable
-from deploy.facts import call_agent
+from deploy.agent_client import call_agent
 from deploy.transport import Transport
 from deploy.ui import warn
 

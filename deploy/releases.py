@@ -29,7 +29,8 @@ from deploy.errors import (
     RemoteRefused,
     RollbackFailed,
 )
-from deploy.facts import HostFacts, call_agent, gather, require_version
+from deploy.agent_client import call_agent
+from deploy.facts import HostFacts, gather, require_version
 from deploy.inventory import Host, Inventory
 from deploy.transport import Transport, TransportLost, connect
 
