@@ -21,6 +21,7 @@ class FileState:
     build_sha256: str
     pristine_sha256: str | None
     release: str | None = None  # which release deployed it, for `deployed`
+    remote_size: int = 0
 
 
 @dataclass
@@ -74,7 +75,7 @@ def classify(build: BuildInfo, remote: dict, releases: list[dict]) -> list[FileS
             status = MISSING
         else:
             status = DRIFTED
-        out.append(FileState(rel, status, sha, bf.sha256, bf.pristine_sha256, rid))
+        out.append(FileState(rel, status, sha, bf.sha256, bf.pristine_sha256, rid, (got or {}).get("size") or 0))
     return out
 
 
