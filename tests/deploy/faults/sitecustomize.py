@@ -6,6 +6,8 @@ counted and labelled (an agent op by its name, `put`, or `sh:<first word>` for a
                                        connection is really closed and the caller gets TransportLost
                                        (the answer is lost, as when the network dies mid-command)
   DDTREE_TEST_FAULT=kill@<label>#<n>   the n-th <label> operation runs, then this process SIGKILLs itself
+  DDTREE_TEST_FAULT=fill@<label>#<n>   the n-th <label> operation runs, then the file DDTREE_TEST_FAULT_FILL
+                                       is written with zeros until its filesystem is full (ENOSPC)
   DDTREE_TEST_FAULT=log                only log
   DDTREE_TEST_FAULT_LOG=<file>         one line per operation: "<label>#<n>"
   DDTREE_TEST_FAULT_REFUSE_RECONNECT=1 after a drop, reconnecting fails (the network stays down)
@@ -48,6 +50,20 @@ def _install() -> None:
         state["fired"] = True
         if kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        if kind == "fill":
+            with open(os.environ["DDTREE_TEST_FAULT_FILL"], "ab") as f:
+                try:
+                    while True:
+                        f.write(b"\0" * (1 << 20))
+                        f.flush()
+                except OSError:
+                    pass
+                try:  # the last partial block too
+                    while True:
+                        f.write(b"\0" * 4096)
+                        f.flush()
+                except OSError:
+                    pass
         if kind == "drop":
             self.conn.client.get_transport().close()
             self._dropped = True
@@ -70,6 +86,18 @@ def _install() -> None:
         reopen(self)
 
     tr.SSHTransport.run, tr.SSHTransport.put, tr.SSHTransport._open = run2, put2, open2
+    lrun, lput = tr.LocalTransport.run, tr.LocalTransport.put
+
+    def lrun2(self, script, timeout_s=None):
+        r = lrun(self, script, timeout_s)
+        after(self, _label(script))
+        return r
+
+    def lput2(self, local, remote, progress=None):
+        lput(self, local, remote, progress)
+        after(self, "put")
+
+    tr.LocalTransport.run, tr.LocalTransport.put = lrun2, lput2
 
 
 if _SPEC:
