@@ -182,7 +182,8 @@ class Releaser:
             return self._undo(facts, rid, record, report)
         except Interrupted:
             if not swapped:
-                self._finish(rid, "aborted", {"outcome": "aborted", "error": "interrupted"}, sd, targets)
+                if self.open_rid == rid:  # staged: end its journal (before the stage nothing exists on the host)
+                    self._finish(rid, "aborted", {"outcome": "aborted", "error": "interrupted"}, sd, targets)
                 raise DeployFailed(f"{name}: interrupted before the swap; the host is unchanged "
                                    f"(release {rid} aborted, nothing restarted)") from None
             return self._undo(facts, rid, record, None, why="interrupted by a signal")

@@ -413,7 +413,7 @@ def op_record(p):
     """Update release.json (and current.json); with `cleanup`, remove the release's temp files in the
     package; with `journal`, append that step last (a terminal step once everything above is done)."""
     path = os.path.join(p["state_dir"], "releases", p["release_id"], "release.json")
-    rec = _read_json(path) or {}
+    rec = _read_json(path) or {"id": p["release_id"]}
     rec.update(p["updates"])
     _write_json(path, rec)
     if p.get("current") is not None:
@@ -435,13 +435,15 @@ def op_prune(p):
     root = os.path.join(state, "releases")
     ids = sorted(os.listdir(root)) if os.path.isdir(root) else []
     protect = set(p.get("protect", [])) | {u["release"] for u in _unfinished(state)}
-    good, failed = [], []
+    good, failed, protected_good = [], [], 0
     for rid in ids:
-        if rid in protect:
-            continue
         rec = _read_json(os.path.join(root, rid, "release.json")) or {}
-        (good if rec.get("outcome") in ("deployed", "done") else failed).append(rid)
-    keep_good = max(0, p["keep"] - len(protect & set(ids)))
+        ok = rec.get("outcome") in ("deployed", "done")
+        if rid in protect:
+            protected_good += ok
+            continue
+        (good if ok else failed).append(rid)
+    keep_good = max(0, p["keep"] - protected_good)
     removed = good[: max(0, len(good) - keep_good)] + failed[: max(0, len(failed) - p["keep"])]
     for rid in removed:
         shutil.rmtree(os.path.join(root, rid))

@@ -130,6 +130,10 @@ def test_kill_and_drop_at_every_step(setup, cli_env, site_cache, tmp_path):
             cur = nxt if which == nxt.build_id else cur
     # both outcomes happened for each fault kind: before the swap the host keeps its build, after healthy the new one
     assert seen["kill"] == {True, False} and seen["drop"] == {True, False}, seen
+    # the failed attempts (aborted, rolled back) took no keep_releases slot: the 3 newest successful
+    # releases are still on the host
+    recs = [json.loads((d / "release.json").read_text()) for d in sorted((h.state / "releases").iterdir())]
+    assert len([r for r in recs if r.get("outcome") in ("deployed", "done")]) == 3, [(r["id"], r.get("outcome")) for r in recs]
     print(f"{len(points)} kill + {len(drop_points)} drop fault points in {time.monotonic() - t0:.0f}s")
 
 
@@ -239,7 +243,8 @@ def test_enospc_at_each_step(bed, builds, site_cache, cli_env, tmp_path):
                 assert rc == 0 and digest == after, (point, err[-2000:])
             else:
                 assert rc == 1 and digest == pristine, (point, rc, sorted(set(digest) ^ set(pristine))[:5], err[-2000:])
-                assert "No space left on device" in err and "nothing changed" in err, (point, err[-2000:])
+                msg = json.loads((tmp_path / point.replace("#", "-").replace(":", "_") / "push.json").read_text())["results"][0]["message"]
+                assert "No space left on device" in msg and "nothing changed" in msg, (point, msg)
             j = journals(h)
             assert j and all(v[-1]["step"] in TERMINAL for v in j.values()), (point, j)
             assert not (h.state / "lock").exists()

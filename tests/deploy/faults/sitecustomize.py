@@ -51,19 +51,16 @@ def _install() -> None:
         if kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         if kind == "fill":
-            with open(os.environ["DDTREE_TEST_FAULT_FILL"], "ab") as f:
-                try:
-                    while True:
-                        f.write(b"\0" * (1 << 20))
-                        f.flush()
-                except OSError:
-                    pass
-                try:  # the last partial block too
-                    while True:
-                        f.write(b"\0" * 4096)
-                        f.flush()
-                except OSError:
-                    pass
+            fd = os.open(os.environ["DDTREE_TEST_FAULT_FILL"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            try:
+                for size in (1 << 20, 4096, 1):  # until not even one more byte fits
+                    try:
+                        while True:
+                            os.write(fd, b"\0" * size)
+                    except OSError:
+                        pass
+            finally:
+                os.close(fd)
         if kind == "drop":
             self.conn.client.get_transport().close()
             self._dropped = True
