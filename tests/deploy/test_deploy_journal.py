@@ -193,7 +193,8 @@ def test_signals_stop_at_a_safe_point(setup, cli_env, site_cache, tmp_path):
     assert p.returncode == 143, err[-2000:]
     assert "interrupted before the swap" in err
     assert tb.tree_digest(h.sglang) == before and not (h.state / "lock").exists()
-    assert set(journals(h)) == rels_before or _last_steps(h)[-1] == "aborted"
+    j = journals(h)  # no new transition, or one that ended aborted (the prune may have removed older failed ones)
+    assert all(j[rid][-1]["step"] == "aborted" for rid in set(j) - rels_before), j
 
 
 DIGEST = "import json, sys; from pathlib import Path; import deploy_testbed as tb; print(json.dumps(tb.tree_digest(Path(sys.argv[1]))))"
