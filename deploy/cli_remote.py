@@ -1,13 +1,16 @@
 """Remote commands: plan, push, status, rollback (SSH through Fabric, or `local`).
 
 Human output goes to stderr (deploy.ui.console), `--json` to stdout. Exit codes: 0 ok, 1 deploy
-failed (rolled back), 2 bad inventory/usage, 5 unreachable/host key, 6 refused (version, drift,
-lock, disk), 7 automatic rollback failed. With several hosts the worst code wins (7 > 1 > 6 > 5 > 2).
+failed (nothing changed, or rolled back), 2 bad inventory/usage, 5 unreachable/host key, 6 refused
+(version, drift, lock, disk), 7 automatic rollback failed, 8 transition left unfinished on the host
+(the next command finishes it), 130/143 stopped by SIGINT/SIGTERM (host put back). With several
+hosts the worst code wins (7 > 8 > 1 > 6 > 5 > 2); a signal's 130/143 replaces 0, 1, 5, 6.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -15,19 +18,44 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.progress import BarColumn, Progress, SpinnerColumn, TaskProgressColumn, TextColumn, TimeElapsedColumn
 from rich.markup import escape
+from rich.progress import (
+    BarColumn,
+    Progress,
+    SpinnerColumn,
+    TaskProgressColumn,
+    TextColumn,
+    TimeElapsedColumn,
+)
 from rich.table import Table
 
 from deploy import health, restart
+from deploy import lock as host_lock
+from deploy.agent_client import call_agent
 from deploy.buildinfo import MANIFEST_NAME, BuildInfo, gates_verdict, load_build
 from deploy.cli import app
-from deploy.errors import EXIT_OK, ConfigError, DDTreeDeployError, RemoteUnreachable
-from deploy.facts import host_state, CURRENT, DEPLOYED, DRIFTED, MISSING, PRISTINE, gather
+from deploy.errors import (
+    EXIT_OK,
+    EXIT_SIGINT,
+    EXIT_SIGTERM,
+    ConfigError,
+    DDTreeDeployError,
+    RemoteRefused,
+    RemoteUnreachable,
+)
+from deploy.facts import (
+    CURRENT,
+    DEPLOYED,
+    DRIFTED,
+    MISSING,
+    PRISTINE,
+    gather,
+    host_state,
+)
 from deploy.inventory import Host, Inventory, load_inventory
-from deploy.plan import add_diffs, make_plan
-from deploy.releases import Events, Outcome, run_host
 from deploy.pins import BuildChoice, build_for_host
+from deploy.plan import add_diffs, make_plan
+from deploy.releases import STOP, Events, Outcome, recover_host, run_host
 from deploy.transport import connect
 from deploy.ui import console, emit_json, ok, warn
 
@@ -38,7 +66,7 @@ InventoryOpt = Annotated[Path | None, typer.Option("--inventory", "-i", help="ho
 BuildOpt = Annotated[Path | None, typer.Option("--build", help="The build directory (with BUILD-MANIFEST.json) for every host; default $DDTREE_DEPLOY_BUILD, else build/sglang-<V> of each host's SGLang version V.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Write a JSON report to stdout.")]
 BreakLock = Annotated[bool, typer.Option("--break-lock", help="Remove a lock left by a dead run (check the host first).")]
-SEVERITY = [7, 1, 6, 5, 2]
+SEVERITY = [7, 8, 1, 6, 5, 2]
 STATUS_STYLE = {CURRENT: "[green]current[/]", PRISTINE: "[cyan]pristine[/]", DEPLOYED: "[blue]deployed[/]",
                 DRIFTED: "[bold red]drifted[/]", MISSING: "[bold red]missing[/]"}
 
@@ -117,6 +145,38 @@ def _progress() -> Progress:
                     TimeElapsedColumn(), console=console, transient=False)
 
 
+class Signals:
+    """SIGINT/SIGTERM during push/rollback: the first asks every host to stop at its next safe point
+    (rolling back if its files were swapped); later ones are reported and ignored, so a rollback in
+    progress is never cut short (a SIGKILL is covered by the host's journal). `code` is 130/143."""
+
+    def __init__(self) -> None:
+        self.code: int | None = None
+        self.saved: dict = {}
+
+    def __enter__(self) -> "Signals":
+        STOP.clear()
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self.saved[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.code is None:
+            self.code = EXIT_SIGINT if signum == signal.SIGINT else EXIT_SIGTERM
+            STOP.set()
+            warn(f"{signal.Signals(signum).name}: stopping at the next safe point (files already swapped are rolled back)")
+        else:
+            warn(f"{signal.Signals(signum).name} again: still stopping; a rollback in progress is not interrupted")
+
+    def __exit__(self, *exc) -> None:
+        for sig, h in self.saved.items():
+            signal.signal(sig, h)
+
+    def exit_code(self, code: int) -> int:
+        return self.code if self.code is not None and code not in (7, 8) else code
+
+
 def _run_many(hosts: list[Host], inv: Inventory, action: str, serial: int | None, **kw) -> list[Outcome]:
     results: dict[str, Outcome] = {}
     size = serial or len(hosts)
@@ -133,12 +193,16 @@ def _run_many(hosts: list[Host], inv: Inventory, action: str, serial: int | None
 
 
 def _table(title: str, outs: list[Outcome]) -> None:
+    """changed: the host's files differ from before the run; restarted: how many restarts the run
+    caused; rolled back: an automatic rollback (or the recovery of an earlier run) ran."""
     t = Table(title=title)
-    for col in ("host", "result", "exit", "release", "changed", "restarted", "message"):
+    for col in ("host", "result", "exit", "release", "changed", "restarted", "rolled back", "message"):
         t.add_column(col, overflow="fold")
     for o in outs:
+        n = o.extra.get("restarts", 1 if o.restarted else 0)
         t.add_row(o.host, "[green]ok[/]" if o.ok else "[bold red]FAILED[/]", str(o.code), o.release or "-",
-                  "yes" if o.changed else "no", "yes" if o.restarted else "no", o.message)
+                  "yes" if o.changed else "no", f"yes ({n}x)" if n else "no",
+                  "yes" if o.extra.get("rolled_back") else "no", o.message)
     console.print(t)
     for o in outs:
         if o.detail:
@@ -166,9 +230,10 @@ def push(
     what = (f"build [bold]{b.build_id}[/] (sglang {b.sglang_version}, {len(b.patches)} patches, {len(b.files)} files)"
             if isinstance(b, BuildInfo) else escape(b.describe()))
     console.print(f"push {what} to {', '.join(hosts)}")
-    outs = _run_many(targets, inv, "push", serial, build=b, force=force, break_lock=break_lock)
+    with Signals() as sigs:
+        outs = _run_many(targets, inv, "push", serial, build=b, force=force, break_lock=break_lock)
     _table("push", outs)
-    code = worst([o.code for o in outs])
+    code = sigs.exit_code(worst([o.code for o in outs]))
     if json_out:
         emit_json({"action": "push", "build_id": getattr(b, "build_id", None), "ok": code == EXIT_OK, "exit_code": code,
                    "results": [o.to_json() for o in outs]})
@@ -191,12 +256,14 @@ def rollback(
         h = inv.get(host)
     except DDTreeDeployError as exc:
         raise _fail(exc) from None
-    outs = _run_many([h], inv, "rollback", None, to=to, break_lock=break_lock)
+    with Signals() as sigs:
+        outs = _run_many([h], inv, "rollback", None, to=to, break_lock=break_lock)
     _table("rollback", outs)
+    code = sigs.exit_code(outs[0].code)
     if json_out:
-        emit_json({"action": "rollback", "ok": outs[0].ok, "exit_code": outs[0].code, "results": [o.to_json() for o in outs]})
-    if outs[0].code:
-        raise _exit(outs[0].code, f"rollback of {host} failed (exit {outs[0].code}): {outs[0].message}")
+        emit_json({"action": "rollback", "ok": code == EXIT_OK, "exit_code": code, "results": [o.to_json() for o in outs]})
+    if code:
+        raise _exit(code, f"rollback of {host} failed (exit {code}): {outs[0].message}")
 
 
 @app.command()
@@ -216,6 +283,7 @@ def plan(
         b = _build_arg(build, lambda p: _load_build(p, require_gates=False))
         t = connect(h, inv)
         b = build_for_host(t, b)  # the build of the host's pin (exit 6 when its SGLang has none)
+        notes = _recover(t)
         facts = gather(t, b)
         p = make_plan(t, b, facts, force=force)
         if diff:
@@ -243,7 +311,15 @@ def plan(
     for r in p.refusals:
         warn(f"push would be refused: {r}")
     if json_out:
-        emit_json(p.to_json())
+        emit_json(dict(p.to_json(), recovered=notes))
+
+
+def _recover(t) -> list[str]:
+    """Finish what an earlier run left unfinished on the host (journal recovery), and say so."""
+    notes = recover_host(t)
+    for n in notes:
+        warn(f"{t.label}: {n}")
+    return notes
 
 
 @app.command()
@@ -263,6 +339,14 @@ def status(
         b = (load_build(path) if (Path(path) / MANIFEST_NAME).is_file() else None) if path else BuildChoice(load_build, BUILD_ROOT)
         t = connect(h, inv)
         b = build_for_host(t, b, missing_ok=True)  # no pin or no build for the host's SGLang: host state only
+        out["recovered"] = _recover(t)
+        raw0 = host_state(t)
+        out["unfinished"] = raw0.get("unfinished") or []
+        rec_files = (raw0.get("current") or {}).get("files") or {}
+        got = call_agent(t, "hashes", {"root": raw0["sglang_dir"], "files": sorted(rec_files)}, 120)["files"] if rec_files else {}
+        out["verify"] = {rel: ("ok" if got.get(rel) == sha else ("missing" if got.get(rel) is None and sha else "changed"))
+                         for rel, sha in sorted(rec_files.items())}
+        out["lock_holder"] = (dict(raw0["lock"], alive=host_lock.holder_status(raw0["lock"])) if raw0.get("lock") else None)
         if b is not None:
             facts = gather(t, b)
             out.update(sglang_version=facts.version, sglang_dir=facts.sglang_dir, current=facts.current,
@@ -301,8 +385,15 @@ def status(
         tab.add_row("drift", ", ".join(drift) if drift else "none")
     else:
         tab.add_row("files", "no local build to compare with (drift not checked)")
+    bad = [f"{rel} ({v})" for rel, v in out["verify"].items() if v != "ok"]
+    tab.add_row("verified", (f"[bold red]DRIFT from the release record: {', '.join(bad)}[/]" if bad else
+                             f"{len(out['verify'])} files match the release record") if out["verify"] else "no release record")
+    for u in out["unfinished"]:
+        tab.add_row("UNFINISHED", f"{u['release']} ({u.get('action')}) stopped at {u['last'].get('step')}")
     if out.get("lock"):
-        tab.add_row("lock", f"held by {out['lock'].get('owner')} pid {out['lock'].get('pid')}")
+        lh = out["lock_holder"] or {}
+        tab.add_row("lock", f"held by {out['lock'].get('owner')} pid {out['lock'].get('pid')} "
+                            f"({lh.get('action', '?')} {lh.get('release') or ''}; holder {lh.get('alive')})")
     tab.add_row("service", out["service"])
     tab.add_row("health", "healthy" if out["healthy"] else "not healthy")
     tab.add_row("speculative algorithm", str(out.get("speculative_algorithm", "-")))
@@ -313,4 +404,46 @@ def status(
         emit_json(out)
     if not out["healthy"]:
         raise _exit(1, f"{host}: the service is {out['service']} and not healthy")
+    if bad or out["unfinished"]:
+        raise _exit(1, f"{host}: healthy, but " + (f"its files differ from the release record ({', '.join(bad)})" if bad
+                                                   else "a transition is unfinished"))
     ok(f"{host} is healthy")
+
+
+@app.command()
+def unlock(
+    host: Annotated[str, typer.Argument(help="Inventory host name.")],
+    inventory: InventoryOpt = None,
+    force: Annotated[bool, typer.Option("--force", help="Remove the lock even if its holder cannot be checked or is alive.")] = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Remove the host's deploy lock. Refused (exit 6) while the holder process is alive on this
+    machine, or runs on another machine (cannot be checked from here), unless --force."""
+    t = None
+    try:
+        inv = load_inventory(inventory)
+        h = inv.get(host)
+        t = connect(h, inv)
+        raw = host_state(t)
+        holder = raw.get("lock")
+        if not holder:
+            result = {"host": host, "released": False, "holder": None, "message": "no lock held"}
+        else:
+            st = host_lock.holder_status(holder)
+            if st != host_lock.DEAD and not force:
+                why = "is alive on this machine" if st == host_lock.ALIVE else "runs on another machine and cannot be checked from here"
+                raise RemoteRefused(f"{host}: the lock holder {host_lock.describe(holder)} {why}; refusing (--force to remove it anyway)")
+            host_lock.break_lock(t)
+            result = {"host": host, "released": True, "holder": holder, "holder_status": st,
+                      "message": f"removed the lock of {host_lock.describe(holder)} (holder {st})"}
+        result["unfinished"] = [u["release"] for u in raw.get("unfinished") or []]
+    except DDTreeDeployError as exc:
+        raise _fail(exc) from None
+    finally:
+        if t is not None:
+            t.close()
+    ok(f"{host}: {result['message']}")
+    if result["unfinished"]:
+        warn(f"{host}: unfinished transition(s) {', '.join(result['unfinished'])}: the next push/status/rollback/plan finishes them")
+    if json_out:
+        emit_json(result)

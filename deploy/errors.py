@@ -10,6 +10,9 @@ Exit codes (also in README.md):
   6  remote refused the deploy: version mismatch, drifted files without --force, lock held,
      not enough disk
   7  automatic rollback failed: the host needs attention (the report says what is where)
+  8  a transition was left unfinished on the host (connection lost and not regained): its journal
+     records the step; the next push/status/rollback/plan on that host finishes it
+  130/143  push/rollback stopped by SIGINT/SIGTERM (the host was put back; 7 or 8 win if worse)
 """
 
 from __future__ import annotations
@@ -22,6 +25,9 @@ EXIT_SNAPSHOT = 4
 EXIT_UNREACHABLE = 5
 EXIT_REFUSED = 6
 EXIT_ROLLBACK_FAILED = 7
+EXIT_UNFINISHED = 8
+EXIT_SIGINT = 130
+EXIT_SIGTERM = 143
 
 
 class DDTreeDeployError(Exception):
@@ -69,3 +75,7 @@ class DeployFailed(DDTreeDeployError):
 
 class RollbackFailed(DDTreeDeployError):
     exit_code = EXIT_ROLLBACK_FAILED
+
+
+class Unfinished(DDTreeDeployError):
+    exit_code = EXIT_UNFINISHED

@@ -3,46 +3,14 @@ classification of every target file against the build: pristine / deployed / dri
 
 from __future__ import annotations
 
-import json
-import shlex
 from dataclasses import dataclass, field
-from functools import lru_cache
-from pathlib import Path
 
+from deploy.agent_client import call_agent
 from deploy.buildinfo import BuildInfo
-from deploy.errors import ConfigError, DDTreeDeployError, RemoteRefused
+from deploy.errors import RemoteRefused
 from deploy.transport import Transport
 
-MARK = "@@ddtree-agent@@"
-
 PRISTINE, DEPLOYED, CURRENT, DRIFTED, MISSING = "pristine", "deployed", "current", "drifted", "missing"
-
-
-class AgentError(DDTreeDeployError):
-    """The host-side helper failed (exit 1)."""
-
-
-@lru_cache(maxsize=1)
-def agent_source() -> str:
-    return (Path(__file__).with_name("remote_agent.py")).read_text()
-
-
-def call_agent(t: Transport, op: str, payload: dict, timeout_s: int | None = None) -> dict:
-    """Run one agent op with the service's python on the host and return its JSON answer."""
-    script = " ".join(shlex.quote(a) for a in (t.host.python, "-c", agent_source(), op, json.dumps(payload)))
-    r = t.run(script, timeout_s)
-    line = next((ln for ln in reversed(r.stdout.splitlines()) if ln.startswith(MARK)), None)
-    if line is None and r.rc in (126, 127):
-        raise ConfigError(f"{t.label}: cannot run {t.host.python} on the host (exit {r.rc}); check `python` in the inventory",
-                          detail=(r.stderr or r.stdout).strip()[-500:] or None)
-    if line is None:
-        why = "timed out on the host" if r.rc == 124 else f"exit {r.rc}"
-        tail = (r.stderr or r.stdout).strip().splitlines()[-5:]
-        raise AgentError(f"{t.label}: remote {op} failed ({why}) with {t.host.python}", detail="\n".join(tail) or None)
-    out = json.loads(line[len(MARK):])
-    if "agent_error" in out:
-        raise AgentError(f"{t.label}: remote {op} failed: {out['agent_error']}")
-    return out
 
 
 @dataclass
@@ -53,6 +21,7 @@ class FileState:
     build_sha256: str
     pristine_sha256: str | None
     release: str | None = None  # which release deployed it, for `deployed`
+    remote_size: int = 0
 
 
 @dataclass
@@ -106,7 +75,7 @@ def classify(build: BuildInfo, remote: dict, releases: list[dict]) -> list[FileS
             status = MISSING
         else:
             status = DRIFTED
-        out.append(FileState(rel, status, sha, bf.sha256, bf.pristine_sha256, rid))
+        out.append(FileState(rel, status, sha, bf.sha256, bf.pristine_sha256, rid, (got or {}).get("size") or 0))
     return out
 
 

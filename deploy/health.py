@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from deploy import restart
-from deploy.facts import call_agent
+from deploy.agent_client import call_agent
 from deploy.transport import Transport
 
 TickFn = Callable[[float], None]  # called with the elapsed seconds while waiting

@@ -1,7 +1,11 @@
-"""The per-host deploy lock: an atomic `mkdir <state_dir>/lock` with owner.json inside (who, pid,
-time, release id, a random token). Released in `finally`; after a dropped connection the tool
-reconnects once to release it. A lock left by a crashed run stays until someone looks: the next run
-is refused (exit 6) and names the holder; `--break-lock` removes it."""
+"""The per-host deploy lock: an atomic `mkdir <state_dir>/lock` with owner.json inside (who, control
+machine, boot id, pid and its start time, release id, a random token). Released in `finally`; after
+a dropped connection the tool reconnects once to release it.
+
+A lock whose holder is a dead process of *this* machine (same hostname and boot id, the pid gone,
+a zombie, or reused by another process) is stale: any later command takes it over (journal
+recovery, deploy.releases) and says so. A holder on another machine cannot be checked from here:
+the run is refused (exit 6) naming it; `ddtree-deploy unlock HOST --force` or `--break-lock`."""
 
 from __future__ import annotations
 
@@ -13,15 +17,59 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from deploy.agent_client import call_agent
 from deploy.errors import RemoteRefused, RemoteUnreachable
-from deploy.facts import call_agent
 from deploy.transport import Transport
 from deploy.ui import warn
 
+ALIVE, DEAD, UNKNOWN = "alive", "dead", "unknown"
+
+
+def _boot_id() -> str | None:
+    try:
+        return open("/proc/sys/kernel/random/boot_id").read().strip()
+    except OSError:
+        return None
+
+
+def _proc_stat(pid: int) -> tuple[str, str] | None:
+    """(state letter, start time in clock ticks) of a process, None if it does not exist."""
+    try:
+        raw = open(f"/proc/{int(pid)}/stat").read()
+    except (OSError, ValueError):
+        return None
+    rest = raw.rsplit(")", 1)[1].split()
+    return rest[0], rest[19]
+
 
 def owner(release_id: str | None, action: str) -> dict:
-    return {"owner": f"{getpass.getuser()}@{socket.gethostname()}", "pid": os.getpid(), "time": time.time(),
+    st = _proc_stat(os.getpid())
+    return {"owner": f"{getpass.getuser()}@{socket.gethostname()}", "machine": socket.gethostname(),
+            "boot_id": _boot_id(), "pid": os.getpid(), "pid_start": st[1] if st else None, "time": time.time(),
             "action": action, "release": release_id, "token": secrets.token_hex(8)}
+
+
+def holder_status(holder: dict | None) -> str:
+    """alive / dead / unknown (another machine, or an owner record without the fields to tell)."""
+    if not holder:
+        return DEAD
+    machine = holder.get("machine") or str(holder.get("owner", "")).rpartition("@")[2]
+    if machine != socket.gethostname() or not holder.get("pid"):
+        return UNKNOWN
+    if holder.get("boot_id") and _boot_id() and holder["boot_id"] != _boot_id():
+        return DEAD  # this machine rebooted since
+    st = _proc_stat(holder["pid"])
+    if st is None:
+        try:
+            os.kill(int(holder["pid"]), 0)
+        except ProcessLookupError:
+            return DEAD
+        except (PermissionError, ValueError, OSError):
+            return UNKNOWN
+        return ALIVE if not os.path.isdir("/proc") else DEAD
+    if st[0] in ("Z", "X") or (holder.get("pid_start") and st[1] != holder["pid_start"]):
+        return DEAD
+    return ALIVE
 
 
 def describe(holder: dict) -> str:
@@ -35,12 +83,13 @@ def break_lock(t: Transport) -> dict | None:
 
 
 @contextmanager
-def held(t: Transport, release_id: str | None, action: str) -> Iterator[dict]:
+def held(t: Transport, release_id: str | None, action: str, take_over: str | None = None) -> Iterator[dict]:
+    """Hold the host lock; `take_over` = the token of a holder known to be dead."""
     me = owner(release_id, action)
-    r = call_agent(t, "lock", {"state_dir": t.host.state_dir, "owner": me}, 60)
+    r = call_agent(t, "lock", {"state_dir": t.host.state_dir, "owner": me, "take_over": take_over}, 60)
     if not r["acquired"]:
         raise RemoteRefused(f"{t.label}: another deploy holds the lock: {describe(r['holder'])}; "
-                            f"if that run is gone, use --break-lock")
+                            f"if that run is gone: `ddtree-deploy unlock {t.label}` (or --break-lock)")
     try:
         yield me
     finally:

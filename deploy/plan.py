@@ -6,8 +6,9 @@ import base64
 import difflib
 from dataclasses import dataclass, field
 
+from deploy.agent_client import call_agent
 from deploy.buildinfo import BuildInfo
-from deploy.facts import CURRENT, DRIFTED, MISSING, HostFacts, call_agent
+from deploy.facts import CURRENT, DRIFTED, MISSING, HostFacts
 from deploy.restart import commands
 from deploy.transport import Transport
 

@@ -15,26 +15,31 @@ restarts and checks health again.
 from __future__ import annotations
 
 import secrets
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from deploy import health, lock, pins, records, restart
+from deploy.agent_client import call_agent
 from deploy.buildinfo import BuildInfo
 from deploy.errors import (
     EXIT_FAILED,
     EXIT_OK,
+    EXIT_ROLLBACK_FAILED,
+    EXIT_UNFINISHED,
     DDTreeDeployError,
     DeployFailed,
     RemoteRefused,
     RollbackFailed,
 )
-from deploy.facts import HostFacts, call_agent, gather, require_version
+from deploy.facts import HostFacts, gather, require_version
 from deploy.inventory import Host, Inventory
 from deploy.transport import Transport, TransportLost, connect
 
 PRISTINE = "pristine"
-OUTCOME_BY_CODE = {1: "failed-rolled-back", 2: "config-error", 5: "unreachable", 6: "refused", 7: "rollback-failed"}
+OUTCOME_BY_CODE = {1: "failed-rolled-back", 2: "config-error", 5: "unreachable", 6: "refused", 7: "rollback-failed",
+                   8: "unfinished"}
 
 
 class Events:
@@ -69,17 +74,36 @@ def new_release_id(tag: str) -> str:
     return f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{tag}-{secrets.token_hex(2)}"
 
 
+def _step(e: dict) -> str:
+    return e.get("step", "?") + (f" {e['k']}/{e['n']}" if "k" in e else "")
+
+
 def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
+class Interrupted(Exception):
+    """Raised at a safe point once STOP is set (the CLI's SIGINT/SIGTERM handler)."""
+
+
+# Set by the CLI's first SIGINT/SIGTERM: every host stops at its next safe point (before the
+# stage, between uploads, before the swap, after the swap, at each health poll) and rolls back if
+# its files were swapped. A rollback in progress ignores it.
+STOP = threading.Event()
+
+
 class Releaser:
-    """Runs one host's transitions over an open transport."""
+    """Runs one host's transitions over an open transport; journals every step on the host."""
 
     def __init__(self, t: Transport, events: Events | None = None):
         self.t = t
         self.h: Host = t.host
         self.ev = events or Events()
+        self.restarts = 0          # service restarts this run caused
+        self.changed = False       # the host's files differ from before this run
+        self.rolled_back = False   # an automatic rollback ran (and restored the files)
+        self.open_rid: str | None = None  # a transition started here and not finished yet
+        self.recovered: list[str] = []    # unfinished transitions of earlier runs finished by this one
 
     def _agent(self, op: str, payload: dict, timeout_s: int | None = None) -> dict:
         return call_agent(self.t, op, dict(payload, state_dir=self.h.state_dir), timeout_s)
@@ -87,97 +111,149 @@ class Releaser:
     def _record(self, rid: str, updates: dict, current: dict | None = None) -> None:
         self._agent("record", {"release_id": rid, "updates": updates, "current": current})
 
+    def _journal(self, rid: str, step: str, **info) -> None:
+        self._agent("journal", {"release_id": rid, "step": step, "info": info})
+
+    def _finish(self, rid: str, step: str, updates: dict, sglang_dir: str, files, current: dict | None = None) -> None:
+        """Terminal journal step, after release.json/current.json and the removal of temp files."""
+        self._agent("record", {"release_id": rid, "updates": updates, "current": current, "journal": step,
+                               "cleanup": {"sglang_dir": sglang_dir, "files": sorted(files), "tags": [rid, rid + "-undo"]}})
+        if self.open_rid == rid:
+            self.open_rid = None
+
     def _rdir(self, rid: str) -> str:
         return f"{self.h.state_dir}/releases/{rid}"
+
+    def _safe_point(self) -> None:
+        if STOP.is_set():
+            raise Interrupted()
 
     # -- the transition shared by push and rollback ------------------------------------------------
     def transition(self, facts: HostFacts, rid: str, record: dict, targets: dict[str, dict],
                    uploads: dict[str, Path] | None, new_state: str) -> Outcome:
         """Make the host's files equal `targets` ({rel: {"src": remote path|None, "sha256": hex|None}})."""
         name, sd = self.h.name, facts.sglang_dir
-        swapped = False
+        swapped, healthy = False, None
         try:
+            self._safe_point()
             self.ev.step(name, "backing up the current files")
+            self.open_rid = rid
             staged = self._agent("stage", {"release_id": rid, "sglang_dir": sd, "files": sorted(targets),
                                            "pristine": record.get("pristine", {}), "record": record})
-            backup = staged["backup"]
+            if not staged.get("ok"):
+                self.open_rid = None
+                raise DeployFailed(f"{name}: {staged['error']} (nothing restarted)")
             if uploads:
                 total = sum(p.stat().st_size for p in uploads.values())
                 self.ev.step(name, f"uploading {len(uploads)} files")
                 for rel, local in sorted(uploads.items()):
-                    self.t.put(local, f"{self._rdir(rid)}/files/{rel}", lambda n: self.ev.upload(name, n, total))
+                    self._safe_point()
+                    try:
+                        self.t.put(local, f"{self._rdir(rid)}/files/{rel}", lambda n: self.ev.upload(name, n, total))
+                    except OSError as exc:  # the state filesystem filled up, ...
+                        self._finish(rid, "aborted", {"outcome": "aborted", "error": str(exc)}, sd, targets)
+                        raise DeployFailed(f"{name}: upload of {rel} failed ({exc}); nothing changed, nothing restarted") from None
                 self.ev.step(name, "verifying on the host (hash, compile, import with the service python)")
                 v = self._agent("verify", {"release_id": rid, "sglang_dir": sd, "import_check": self.h.import_check,
                                            "files": {r: targets[r]["sha256"] for r in uploads}, "timeout": 900}, 960)
                 if not v["ok"]:
-                    self._record(rid, {"outcome": "aborted", "error": v["error"]})
+                    self._finish(rid, "aborted", {"outcome": "aborted", "error": v["error"]}, sd, targets)
                     raise DeployFailed(f"{name}: {v['stage']} check failed before the swap: {v['error']} "
                                        "(nothing changed, nothing restarted)", detail=v.get("log"))
+            self._safe_point()
             self.ev.step(name, "swapping files (atomic per file)")
             swapped = True
-            a = self._agent("apply", {"sglang_dir": sd, "targets": targets, "tag": rid})
+            a = self._agent("apply", {"sglang_dir": sd, "targets": targets, "tag": rid, "release_id": rid, "phase": "swap"})
+            if not a["ok"] and (a.get("swapped", 0) == 0 or a.get("restored")):
+                swapped = False
+                self._finish(rid, "aborted", {"outcome": "aborted", "error": a["error"]}, sd, targets)
+                raise DeployFailed(f"{name}: {a['error']}; every file is as before, temp files removed (nothing restarted)")
+            self.changed = True
             if not a["ok"]:
-                raise DeployFailed(f"{name}: swap failed: {a['error']}")
+                return self._undo(facts, rid, record, None, why=f"swap failed: {a['error']}")
             current = {"state": new_state, "release": rid, "action": record["action"], "time": _now(),
                        "build_id": record.get("build_id"), "files": a["files"]}
             self._record(rid, {"outcome": "swapped"}, current=current)
-            self.t.test_hook("after-swap")
-            ok, report = self._restart_and_check()
+            self._safe_point()
+            ok, report = self._restart_and_check(rid)
             if ok:
-                self._record(rid, {"outcome": "deployed" if record["action"] == "push" else "done",
-                                   "health": report.to_json()})
-                return Outcome(name, record["action"], True, EXIT_OK, f"{record['action']} {rid}: healthy",
-                               release=rid, changed=True, restarted=True, health=report.to_json())
-            return self._auto_rollback(facts, rid, backup, record, report)
-        except KeyboardInterrupt:
+                healthy = report
+                return self._healthy(rid, record, report, sd, targets)
+            return self._undo(facts, rid, record, report)
+        except Interrupted:
             if not swapped:
-                self._record(rid, {"outcome": "aborted", "error": "interrupted"})
-                raise
-            return self._auto_rollback(facts, rid, self._backup_of(rid), record, None, why="interrupted (Ctrl-C)")
+                if self.open_rid == rid:  # staged: end its journal (before the stage nothing exists on the host)
+                    self._finish(rid, "aborted", {"outcome": "aborted", "error": "interrupted"}, sd, targets)
+                raise DeployFailed(f"{name}: interrupted before the swap; the host is unchanged "
+                                   f"(release {rid} aborted, nothing restarted)") from None
+            return self._undo(facts, rid, record, None, why="interrupted by a signal")
         except TransportLost as exc:
             self.ev.step(name, "connection lost; reconnecting")
-            self.t.reconnect()
+            self.t.reconnect()  # RemoteUnreachable here: run_host reports the transition unfinished (exit 8)
+            if healthy is not None:  # the health gate passed: finish it again (idempotent), never undo
+                return self._healthy(rid, record, healthy, sd, targets)
             if swapped:
-                return self._auto_rollback(facts, rid, self._backup_of(rid), record, None, why=exc.message)
-            self._record(rid, {"outcome": "aborted", "error": exc.message})
+                return self._undo(facts, rid, record, None, why=exc.message)
+            self._finish(rid, "aborted", {"outcome": "aborted", "error": exc.message}, sd, targets)
             raise DeployFailed(f"{name}: {exc.message} before the swap; the host is unchanged "
                                f"(release {rid} marked aborted)") from None
 
-    def _backup_of(self, rid: str) -> dict:
-        rec = next((r for r in self._agent("facts", {"sglang_dir": self.h.sglang_dir, "files": []})["releases"]
-                    if r.get("id") == rid), None)
-        if rec is None or "backup" not in rec:
-            raise RollbackFailed(f"{self.h.name}: release {rid} has no backup record; restore by hand from {self._rdir(rid)}/backup")
-        return rec["backup"]
+    def _healthy(self, rid: str, record: dict, report: health.HealthReport, sd: str, targets) -> Outcome:
+        self._finish(rid, "healthy", {"outcome": "deployed" if record["action"] == "push" else "done",
+                                      "health": report.to_json()}, sd, targets)
+        return Outcome(self.h.name, record["action"], True, EXIT_OK, f"{record['action']} {rid}: healthy",
+                       release=rid, changed=True, restarted=True, health=report.to_json())
 
-    def _restart_and_check(self) -> tuple[bool, health.HealthReport]:
+    def _restart_and_check(self, rid: str, *, interruptible: bool = True) -> tuple[bool, health.HealthReport]:
         name = self.h.name
         self.ev.step(name, f"restarting ({self.h.restart.strategy})")
+        self._journal(rid, "restarting")
+        self.restarts += 1
         ok, out = restart.restart(self.t)
+        self._journal(rid, "restarted", ok=ok)
         if not ok:
             return False, health.HealthReport(False, f"restart command failed: {out[-300:]}", 0.0,
                                               log_tail=restart.log_tail(self.t))
         self.ev.step(name, "waiting for the health gate")
-        rep = health.wait_healthy(self.t, lambda e: self.ev.waiting(name, e, self.h.health.deadline_s))
+
+        def tick(e: float) -> None:
+            self.ev.waiting(name, e, self.h.health.deadline_s)
+            if interruptible:
+                self._safe_point()
+
+        rep = health.wait_healthy(self.t, tick)
         return rep.ok, rep
 
-    def _auto_rollback(self, facts: HostFacts, rid: str, backup: dict, record: dict,
-                       report: health.HealthReport | None, why: str | None = None) -> Outcome:
+    def _restore(self, rid: str, rec: dict, reason: str, sglang_dir: str) -> tuple[bool, health.HealthReport]:
+        """Put the backup of transition `rid` back, restart, health gate: journal rolling-back ->
+        restoring k/n -> restored -> restarting -> restarted -> rolled-back. Not interruptible."""
+        name = self.h.name
+        if "backup" not in rec:
+            raise RollbackFailed(f"{name}: release {rid} has no backup record; restore by hand from {self._rdir(rid)}/backup")
+        backup = rec["backup"]
+        self.open_rid = rid
+        self._journal(rid, "rolling-back", reason=reason)
+        targets = {rel: {"src": f"{self._rdir(rid)}/backup/{rel}" if sha else None, "sha256": sha}
+                   for rel, sha in backup.items()}
+        a = self._agent("apply", {"sglang_dir": sglang_dir, "targets": targets, "tag": rid + "-undo",
+                                  "forward_tag": rid, "release_id": rid, "phase": "restore"})
+        if not a["ok"]:
+            raise RollbackFailed(f"{name}: rollback could not restore the files: {a['error']}; "
+                                 f"originals are in {self._rdir(rid)}/backup")
+        self.changed, self.rolled_back = False, True
+        prev = rec.get("previous")
+        current = {"state": prev or PRISTINE, "release": prev, "action": "auto-rollback", "time": _now(), "files": a["files"]}
+        self._record(rid, {"outcome": "rolled-back", "error": reason}, current=current)
+        ok, rep = self._restart_and_check(rid, interruptible=False)
+        self._finish(rid, "rolled-back", {"health_after_rollback": rep.to_json()}, sglang_dir, targets)
+        return ok, rep
+
+    def _undo(self, facts: HostFacts, rid: str, record: dict, report: health.HealthReport | None,
+              why: str | None = None) -> Outcome:
         name = self.h.name
         reason = why or (report.reason if report else "unknown failure")
         self.ev.step(name, f"FAILED ({reason}); rolling back automatically")
-        targets = {rel: {"src": f"{self._rdir(rid)}/backup/{rel}" if sha else None, "sha256": sha}
-                   for rel, sha in backup.items()}
-        a = self._agent("apply", {"sglang_dir": facts.sglang_dir, "targets": targets, "tag": rid + "-undo"})
-        if not a["ok"]:
-            raise RollbackFailed(f"{name}: automatic rollback could not restore the files: {a['error']}; "
-                                 f"originals are in {self._rdir(rid)}/backup")
-        prev = record.get("previous")
-        current = {"state": prev or PRISTINE, "release": prev, "action": "auto-rollback", "time": _now(),
-                   "files": a["files"]}
-        self._record(rid, {"outcome": "rolled-back", "error": reason,
-                           "health": report.to_json() if report else None}, current=current)
-        ok, rep2 = self._restart_and_check()
+        ok, rep2 = self._restore(rid, self._release(rid), reason, facts.sglang_dir)
         detail = report.log_tail if report and report.log_tail else None
         if not ok:
             raise RollbackFailed(f"{name}: {reason}; files were restored byte for byte but the service is not healthy "
@@ -185,10 +261,74 @@ class Releaser:
         raise DeployFailed(f"{name}: {reason}; rolled back automatically (files restored byte for byte, "
                            "service healthy again)", detail=detail)
 
+    def _release(self, rid: str) -> dict:
+        rec = next((r for r in self._agent("facts", {"sglang_dir": self.h.sglang_dir, "files": []})["releases"]
+                    if r.get("id") == rid), None)
+        if rec is None:
+            raise RollbackFailed(f"{self.h.name}: release {rid} has no record; restore by hand from {self._rdir(rid)}/backup")
+        return rec
+
+    # -- recovery of transitions left unfinished by an earlier run -----------------------------------
+    def recover(self, *, break_lock: bool = False) -> list[str]:
+        """Finish every unfinished transition (journal not ending in healthy/rolled-back/aborted):
+        files touched -> roll back to the recorded previous state; else -> aborted. Takes over the
+        lock of a dead holder of this machine; a live holder means it is still running (left
+        alone); a holder on another machine is left alone unless `break_lock`. Returns notes."""
+        name = self.h.name
+        raw = self._agent("facts", {"sglang_dir": self.h.sglang_dir, "files": []})
+        unf, holder = raw.get("unfinished") or [], raw.get("lock")
+        if not unf and not holder:
+            return []
+        notes: list[str] = []
+        take = None
+        if holder:
+            st = lock.holder_status(holder)
+            if st == lock.ALIVE:
+                if unf:
+                    notes.append(f"transition {unf[0]['release']} in progress (lock held by live {lock.describe(holder)})")
+                return notes
+            if st == lock.UNKNOWN and not break_lock:
+                for u in unf:
+                    notes.append(f"UNFINISHED transition {u['release']} (last step: {_step(u['last'])}); lock held by "
+                                 f"{lock.describe(holder)} on another machine: `ddtree-deploy unlock {name} --force` "
+                                 "once that run is gone, and the next command finishes it")
+                return notes
+            take = holder.get("token") or None
+            if take is None:  # an owner.json torn by a crash: no token to take over
+                lock.break_lock(self.t)
+            notes.append(f"took over the stale lock of {lock.describe(holder)} ({st})")
+        try:
+            with lock.held(self.t, None, "recover", take_over=take):
+                if not unf:
+                    return notes
+                recs = {r.get("id"): r for r in self._agent("facts", {"sglang_dir": self.h.sglang_dir, "files": []})["releases"]}
+                sd = raw["sglang_dir"]
+                for u in unf:
+                    notes.append(self._recover_one(u, recs.get(u["release"]) or {}, sd))
+        except RemoteRefused as exc:  # someone else took the lock meanwhile
+            notes.append(exc.message)
+        self.recovered = notes
+        return notes
+
+    def _recover_one(self, u: dict, rec: dict, sd: str) -> str:
+        rid = u["release"]
+        where = _step(u["last"])
+        self.ev.step(self.h.name, f"unfinished transition {rid} (stopped at: {where}); finishing it")
+        files = sorted(set(rec.get("files") or {}) | set(rec.get("backup") or {}))
+        if not u["files_touched"]:
+            self._finish(rid, "aborted", {"outcome": "aborted", "error": f"left unfinished at {where}; recovered"}, sd, files)
+            return f"unfinished transition {rid} (stopped at: {where}) had not touched the files: marked aborted, temp files removed"
+        ok, rep = self._restore(rid, rec, f"left unfinished at {where}; recovered by a later command", sd)
+        self.restarts += 0
+        return (f"unfinished transition {rid} (stopped at: {where}): rolled back to "
+                f"{rec.get('previous') or PRISTINE}, files restored byte for byte, "
+                + ("service healthy" if ok else f"service NOT healthy ({rep.reason})"))
+
     # -- push ----------------------------------------------------------------------------------------
     def push(self, build: BuildInfo, *, force: bool = False, break_lock: bool = False) -> Outcome:
         name = self.h.name
         self.ev.step(name, "reading host facts")
+        self.recover(break_lock=break_lock)
         facts = gather(self.t, build)
         require_version(self.t, facts, build)
         if facts.up_to_date:
@@ -198,10 +338,9 @@ class Releaser:
             lst = ", ".join(f"{f.relpath} ({f.status})" for f in facts.drifted)
             raise RemoteRefused(f"{name}: files changed outside this tool: {lst}; refusing "
                                 "(inspect with `ddtree-deploy plan --diff`, or --force to overwrite; the originals are backed up)")
-        need = 2 * sum(f.size for f in build.files.values()) // (1 << 20) + self.h.min_free_mb
-        low = {k: v for k, v in facts.free_mb.items() if v < need}
+        low = space_shortfall(facts, build, self.h.min_free_mb)
         if low:
-            raise RemoteRefused(f"{name}: not enough disk ({low} MB free, need {need} MB)")
+            raise RemoteRefused(f"{name}: not enough disk: {low}; nothing changed")
         if break_lock and facts.lock:
             holder = lock.break_lock(self.t)
             self.ev.step(name, f"broke the lock held by {lock.describe(holder or {})}")
@@ -218,17 +357,24 @@ class Releaser:
                       "previous": cur.get("state") if cur.get("state") != PRISTINE else None}
             targets = {r: {"src": f"{self._rdir(rid)}/files/{r}", "sha256": f.sha256} for r, f in build.files.items()}
             uploads = {r: build.path_of(r) for r in build.files}
-            out = self.transition(facts, rid, record, targets, uploads, new_state=rid)
-            self._prune(rid, record["previous"])
+            try:
+                out = self.transition(facts, rid, record, targets, uploads, new_state=rid)
+            finally:
+                self._prune(rid, record["previous"])
             return out
 
     def _prune(self, keep_id: str, previous: str | None) -> None:
+        """Best effort: a prune that fails (connection lost) is retried by the next run."""
         protect = [p for p in (keep_id, previous) if p]
-        self._agent("prune", {"keep": self.h.keep_releases, "protect": protect})
+        try:
+            self._agent("prune", {"keep": self.h.keep_releases, "protect": protect})
+        except DDTreeDeployError as exc:
+            self.ev.step(self.h.name, f"prune skipped ({exc.message})")
 
     # -- rollback ------------------------------------------------------------------------------------
     def rollback(self, to: str | None, *, break_lock: bool = False) -> Outcome:
         name = self.h.name
+        self.recover(break_lock=break_lock)
         raw = self._agent("facts", {"sglang_dir": self.h.sglang_dir, "files": []})
         recs = {r["id"]: r for r in raw["releases"] if "id" in r}
         known = sorted({rel for r in recs.values() for rel in list(r.get("files") or {}) + list(r.get("backup") or {})})
@@ -269,9 +415,11 @@ class Releaser:
             record = {"id": rid, "time": _now(), "action": "rollback", "to": new_state,
                       "files": {r: t["sha256"] for r, t in targets.items()}, "previous": state if state != PRISTINE else None,
                       "pristine": {r: pristine_sha.get(r) for r in targets}}
-            out = self.transition(facts, rid, record, targets, None, new_state=new_state)
+            try:
+                out = self.transition(facts, rid, record, targets, None, new_state=new_state)
+            finally:
+                self._prune(rid, new_state if new_state != PRISTINE else None)
             out.message = f"rolled back to {new_state}: healthy"
-            self._prune(rid, new_state if new_state != PRISTINE else None)
             return out
 
     def _pristine_targets(self, rels, pristine_sha: dict) -> dict[str, dict]:
@@ -289,10 +437,23 @@ class Releaser:
         return out
 
 
+def space_shortfall(facts: HostFacts, build: BuildInfo, margin_mb: int) -> str | None:
+    """Free space a push needs, with `margin_mb` on top: the package filesystem holds the new files as
+    temp files beside their destinations (plus room to copy the backups back if a rollback cannot use
+    the hard links it keeps); the state filesystem holds the uploads and the backups."""
+    new = sum(f.size for f in build.files.values())
+    old = sum(f.remote_size for f in facts.files)
+    need = {"sglang": (new + old) // (1 << 20) + 1 + margin_mb, "state": (new + old) // (1 << 20) + 1 + margin_mb}
+    low = [f"{k} filesystem has {facts.free_mb.get(k)} MB free, needs {v} MB" for k, v in need.items()
+           if facts.free_mb.get(k, 0) < v]
+    return "; ".join(low) or None
+
+
 def run_host(host: Host, inventory: Inventory, action: str, events: Events | None = None, **kw) -> Outcome:
     """Connect, run `action` ('push' or 'rollback'), close; every error becomes an Outcome with its exit code.
-    Records the outcome locally (deploy-state/<host>.jsonl)."""
-    t, build = None, kw.get("build")
+    The outcome tells what happened on the host (changed, restarted, rolled back, recovered), and is
+    recorded locally (deploy-state/<host>.jsonl)."""
+    t, build, r = None, kw.get("build"), None
     try:
         t = connect(host, inventory)
         r = Releaser(t, events)
@@ -303,7 +464,12 @@ def run_host(host: Host, inventory: Inventory, action: str, events: Events | Non
         else:
             out = r.rollback(kw.get("to"), break_lock=kw.get("break_lock", False))
     except DDTreeDeployError as exc:
-        out = Outcome(host.name, action, False, exc.exit_code, exc.message, detail=exc.detail)
+        code, msg = exc.exit_code, exc.message
+        if r is not None and r.open_rid and code != EXIT_ROLLBACK_FAILED:
+            code = EXIT_UNFINISHED
+            msg += (f"; transition {r.open_rid} is UNFINISHED on the host (its journal records the step): the next "
+                    f"push/status/rollback/plan of {host.name} finishes it")
+        out = Outcome(host.name, action, False, code, msg, detail=exc.detail)
     except Exception as exc:  # a bug or an unmapped library error: report it in this host's row, keep the others going
         import traceback
 
@@ -312,12 +478,33 @@ def run_host(host: Host, inventory: Inventory, action: str, events: Events | Non
     finally:
         if t is not None:
             t.close()
+    if r is not None:  # what really happened on the host, whatever the error path
+        out.changed = out.changed or r.changed
+        out.restarted = out.restarted or r.restarts > 0
+        out.extra.update(restarts=r.restarts, rolled_back=r.rolled_back, recovered=r.recovered)
+        if r.recovered:
+            out.message = "recovered: " + "; ".join(r.recovered) + " | " + out.message
+    if STOP.is_set():
+        out.extra["interrupted"] = True
     build = build if isinstance(build, BuildInfo) else None
     outcome = ("done" if out.changed else "noop") if out.ok else OUTCOME_BY_CODE.get(out.code, "failed")
     records.append(host.name, {"time": _now(), "host": host.name, "action": action, "ok": out.ok, "code": out.code,
-                               "outcome": outcome,
+                               "outcome": outcome, "rolled_back": out.extra.get("rolled_back", False),
+                               "restarts": out.extra.get("restarts", 0), "interrupted": out.extra.get("interrupted", False),
+                               "recovered": out.extra.get("recovered", []),
                                "release": out.release, "message": out.message, "changed": out.changed,
                                "build_id": build.build_id if build else None,
                                "series_sha256": build.series_sha256 if build else None,
                                "files": {r: f.sha256 for r, f in build.files.items()} if build else None})
     return out
+
+
+def recover_host(t: Transport, events: Events | None = None, *, break_lock: bool = False) -> list[str]:
+    """For status/plan: finish unfinished transitions of this host; notes, also recorded locally."""
+    r = Releaser(t, events)
+    notes = r.recover(break_lock=break_lock)
+    if r.restarts or r.rolled_back or any("aborted" in n or "took over" in n for n in notes):
+        records.append(t.host.name, {"time": _now(), "host": t.host.name, "action": "recover", "ok": True, "code": 0,
+                                     "outcome": "recovered", "message": "; ".join(notes), "changed": r.rolled_back,
+                                     "restarts": r.restarts})
+    return notes

@@ -1,9 +1,14 @@
 """Host-side helper, stdlib only. Sent as `python -c <this source> <op> <json>` with the service's
 own python (nothing is installed on the host); prints one result line `@@ddtree-agent@@ <json>`.
 
-Ops: facts, hashes, lock, unlock, stage, verify, apply, record, prune, read, http. Each is small and
-all-or-nothing where it changes files: `apply` checks every source before touching anything, then
-swaps file by file with a temp file in the same directory + os.replace (atomic per file).
+Ops: facts, hashes, lock, unlock, stage, verify, apply, journal, record, prune, read, http. Each is
+small and all-or-nothing where it changes files: `apply` checks every source, then writes every new
+file as a temp file next to its destination (same filesystem) and hard-links every old file beside
+it; only then does it rename file by file (atomic per file, no space needed). Any write failure
+removes every temp file and puts back every file already renamed before it answers.
+
+Every transition has a journal, releases/<id>/journal.jsonl: one JSON line per step, appended and
+fsynced *before* the step runs (see docs/DEPLOY.md, "Journal and recovery").
 """
 
 import base64
@@ -47,6 +52,78 @@ def _write_json(path, data):
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+TERMINAL = ("healthy", "rolled-back", "aborted")
+TMP_KINDS = ("new", "old")
+
+
+def _fsync_dir(d):
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _journal(state, rid, step, **info):
+    """Append one fsynced line to the release's journal (the directory entry fsynced when new)."""
+    d = os.path.join(state, "releases", rid)
+    os.makedirs(d, exist_ok=True)
+    path = os.path.join(d, "journal.jsonl")
+    new = not os.path.exists(path)
+    line = json.dumps(dict(info, step=step, time=time.time()), sort_keys=True) + "\n"
+    with open(path, "a") as f:
+        f.write(line)
+        f.flush()
+        os.fsync(f.fileno())
+    if new:
+        _fsync_dir(d)
+
+
+def _read_journal(state, rid):
+    out = []
+    try:
+        with open(os.path.join(state, "releases", rid, "journal.jsonl")) as f:
+            for ln in f:
+                try:
+                    out.append(json.loads(ln))
+                except ValueError:  # a line torn by a crash: the step it announced did not start
+                    pass
+    except OSError:
+        pass
+    return out
+
+
+def _unfinished(state):
+    """Transitions whose journal does not end in a terminal step."""
+    root = os.path.join(state, "releases")
+    out = []
+    for rid in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        j = _read_journal(state, rid)
+        if j and j[-1].get("step") not in TERMINAL:
+            rec = _read_json(os.path.join(root, rid, "release.json")) or {}
+            out.append({"release": rid, "action": rec.get("action"), "steps": [e.get("step") for e in j],
+                        "last": j[-1], "files_touched": any(e.get("step") in ("swapping", "restoring") for e in j),
+                        "has_backup": "backup" in rec})
+    return out
+
+
+def _tmp_path(sd, rel, tag, kind):
+    dest = os.path.join(sd, rel)
+    return os.path.join(os.path.dirname(dest), ".%s.ddtree-%s.%s" % (os.path.basename(dest), tag, kind))
+
+
+def _remove_tmps(sd, rels, tags):
+    removed = []
+    for rel in rels:
+        for tag in tags:
+            for kind in TMP_KINDS + ("tmp",):
+                path = _tmp_path(sd, rel, tag, kind)
+                if os.path.lexists(path):
+                    os.unlink(path)
+                    removed.append(path)
+    return removed
 
 
 def _sglang_dir(given):
@@ -102,6 +179,8 @@ def op_facts(p):
     pristine = {rel: _sha_or_none(os.path.join(pristine_root, rel)) for rel in p["files"]}
     return {
         "python": sys.executable,
+        "hostname": __import__("socket").gethostname(),
+        "unfinished": _unfinished(state),
         "sglang_dir": sd,
         "version": _version(sd),
         "files": files,
@@ -124,7 +203,10 @@ def op_lock(p):
     try:
         os.mkdir(lock)  # atomic: exactly one deploy wins
     except FileExistsError:
-        return {"acquired": False, "holder": _read_json(os.path.join(lock, "owner.json")) or {"owner": "?"}}
+        holder = _read_json(os.path.join(lock, "owner.json")) or {"owner": "?"}
+        if not p.get("take_over") or holder.get("token") != p["take_over"]:
+            return {"acquired": False, "holder": holder}
+        # the holder is known dead (checked by the caller against this exact token): take its lock over
     _write_json(os.path.join(lock, "owner.json"), dict(p["owner"], remote_time=time.time()))
     return {"acquired": True}
 
@@ -141,29 +223,51 @@ def op_unlock(p):
 
 
 def op_stage(p):
-    """Create releases/<id>/{files,backup}; back up what is on the host now; keep pristine copies."""
+    """Create releases/<id>/{files,backup}; back up what is on the host now; keep pristine copies.
+    Journal: staging (before anything), staged (after release.json holds the backup). A write
+    failure (ENOSPC, ...) removes what this op wrote and ends the journal with `aborted`."""
     sd, state, rid = p["sglang_dir"], p["state_dir"], p["release_id"]
     rdir = os.path.join(state, "releases", rid)
-    os.makedirs(os.path.join(rdir, "files"))
-    backup = {}
-    for rel in p["files"]:
-        src = os.path.join(sd, rel)
-        if os.path.isfile(src):
-            dst = os.path.join(rdir, "backup", rel)
-            os.makedirs(os.path.dirname(dst), exist_ok=True)
-            shutil.copyfile(src, dst)
-            backup[rel] = _sha(dst)
-            if backup[rel] == p["pristine"].get(rel):
-                keep = os.path.join(state, "pristine", rel)
-                if not os.path.isfile(keep):
-                    os.makedirs(os.path.dirname(keep), exist_ok=True)
-                    shutil.copyfile(dst, keep)
-        else:
-            backup[rel] = None
-        os.makedirs(os.path.dirname(os.path.join(rdir, "files", rel)), exist_ok=True)
-    rec = dict(p["record"], backup=backup, outcome="staging")
-    _write_json(os.path.join(rdir, "release.json"), rec)
-    return {"backup": backup, "release_dir": rdir}
+    os.makedirs(rdir)
+    made = []
+    try:
+        _journal(state, rid, "staging", action=p["record"].get("action"), files=len(p["files"]))
+        os.makedirs(os.path.join(rdir, "files"))
+        backup = {}
+        for rel in p["files"]:
+            src = os.path.join(sd, rel)
+            if os.path.isfile(src):
+                dst = os.path.join(rdir, "backup", rel)
+                os.makedirs(os.path.dirname(dst), exist_ok=True)
+                shutil.copyfile(src, dst)
+                backup[rel] = _sha(dst)
+                if backup[rel] == p["pristine"].get(rel):
+                    keep = os.path.join(state, "pristine", rel)
+                    if not os.path.isfile(keep):
+                        os.makedirs(os.path.dirname(keep), exist_ok=True)
+                        tmp = keep + ".tmp-%d" % os.getpid()
+                        made.append(tmp)
+                        shutil.copyfile(dst, tmp)
+                        os.replace(tmp, keep)
+            else:
+                backup[rel] = None
+            os.makedirs(os.path.dirname(os.path.join(rdir, "files", rel)), exist_ok=True)
+        rec = dict(p["record"], backup=backup, outcome="staging")
+        _write_json(os.path.join(rdir, "release.json"), rec)
+        _journal(state, rid, "staged")
+    except OSError as exc:
+        for path in made:
+            if os.path.lexists(path):
+                os.unlink(path)
+        for sub in ("files", "backup"):
+            shutil.rmtree(os.path.join(rdir, sub), ignore_errors=True)
+        try:
+            _write_json(os.path.join(rdir, "release.json"), dict(p["record"], outcome="aborted", error=str(exc)))
+            _journal(state, rid, "aborted", error=str(exc))
+        except OSError:  # even the journal cannot be written: drop the release directory entirely
+            shutil.rmtree(rdir, ignore_errors=True)
+        return {"ok": False, "error": "staging failed (%s); nothing changed" % exc}
+    return {"ok": True, "backup": backup, "release_dir": rdir}
 
 
 IMPORT_CHECK = r'''
@@ -220,54 +324,130 @@ def op_verify(p):
 
 
 def op_apply(p):
-    """Make each target file what `targets` says: {rel: {"src": path | null, "sha256": hex | null}}."""
-    sd, tag = p["sglang_dir"], p["tag"]
+    """Make each target file what `targets` says: {rel: {"src": path | null, "sha256": hex | null}}.
+
+    phase "swap" (the forward swap of release `release_id`) or "restore" (putting its backup back).
+    1. check every source; 2. prepare: every new file as `.<name>.ddtree-<tag>.new` next to its
+    destination, fsynced (a restore uses the `.old` hard link of the forward swap when it is intact:
+    a rename, no space needed), and in a swap every existing file hard-linked as `.old`;
+    3. rename file by file, journal `swapping`/`restoring` k/n before each. A failure in 2 removes
+    every temp file (nothing changed); a failure in 3 renames the `.old` links back."""
+    sd, tag, state, rid = p["sglang_dir"], p["tag"], p["state_dir"], p["release_id"]
+    phase = p.get("phase", "swap")
     targets = p["targets"]
-    for rel, t in targets.items():  # check everything first: all or nothing
-        if t["src"] is not None and _sha_or_none(t["src"]) != t["sha256"]:
-            return {"ok": False, "error": "%s: source %s is missing or does not match %s" % (rel, t["src"], t["sha256"])}
-    done = {}
-    for rel in sorted(targets):
+    rels = sorted(targets)
+    for rel in rels:  # check everything first: all or nothing
         t = targets[rel]
-        dest = os.path.join(sd, rel)
-        if t["src"] is None:
-            if os.path.lexists(dest):
-                os.unlink(dest)
-        else:
-            d = os.path.dirname(dest)
-            os.makedirs(d, exist_ok=True)
-            tmp = os.path.join(d, ".%s.ddtree-%s.tmp" % (os.path.basename(dest), tag))
-            shutil.copyfile(t["src"], tmp)
-            if os.path.exists(dest):
-                shutil.copymode(dest, tmp)
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
-            os.replace(tmp, dest)  # atomic on one filesystem
-        done[rel] = _sha_or_none(dest)
-    bad = {rel: sha for rel, sha in done.items() if sha != targets[rel]["sha256"]}
-    return {"ok": not bad, "files": done, "error": ("after swap: %s" % sorted(bad)) if bad else None}
+        if t["src"] is not None and _sha_or_none(t["src"]) != t["sha256"]:
+            return {"ok": False, "swapped": 0, "error": "%s: source %s is missing or does not match %s" % (rel, t["src"], t["sha256"])}
+    made = []
+    try:
+        for rel in rels:
+            t, dest = targets[rel], os.path.join(sd, rel)
+            if phase == "swap" and os.path.isfile(dest):
+                old = _tmp_path(sd, rel, tag, "old")
+                if os.path.lexists(old):
+                    os.unlink(old)
+                os.link(dest, old)
+                made.append(old)
+            if t["src"] is None:
+                continue
+            os.makedirs(os.path.dirname(dest), exist_ok=True)
+            new = _tmp_path(sd, rel, tag, "new")
+            fwd_old = _tmp_path(sd, rel, p.get("forward_tag") or "", "old") if phase == "restore" else None
+            made.append(new)
+            if fwd_old and os.path.isfile(fwd_old) and _sha(fwd_old) == t["sha256"]:
+                os.replace(fwd_old, new)
+            else:
+                shutil.copyfile(t["src"], new)
+                if os.path.exists(dest):
+                    shutil.copymode(dest, new)
+                with open(new, "rb") as f:
+                    os.fsync(f.fileno())
+    except OSError as exc:
+        for path in made:
+            if os.path.lexists(path):
+                os.unlink(path)
+        return {"ok": False, "swapped": 0, "error": "preparing the files failed (%s); every temp file removed, nothing changed" % exc}
+    done = []
+    try:
+        for k, rel in enumerate(rels, 1):
+            _journal(state, rid, "swapping" if phase == "swap" else "restoring", k=k, n=len(rels), file=rel)
+            dest = os.path.join(sd, rel)
+            if targets[rel]["src"] is None:
+                if os.path.lexists(dest):
+                    os.unlink(dest)
+            else:
+                os.replace(_tmp_path(sd, rel, tag, "new"), dest)  # atomic on one filesystem
+            done.append(rel)
+        for d in sorted({os.path.dirname(os.path.join(sd, r)) for r in rels if os.path.isdir(os.path.dirname(os.path.join(sd, r)))}):
+            _fsync_dir(d)
+    except OSError as exc:
+        restored = phase == "swap"
+        if phase == "swap":
+            for rel in done:
+                old, dest = _tmp_path(sd, rel, tag, "old"), os.path.join(sd, rel)
+                try:
+                    if os.path.lexists(old):
+                        os.replace(old, dest)
+                    elif os.path.lexists(dest):
+                        os.unlink(dest)  # an added file
+                except OSError:
+                    restored = False
+        _remove_tmps(sd, rels, [tag])
+        files = {rel: _sha_or_none(os.path.join(sd, rel)) for rel in rels}
+        return {"ok": False, "swapped": len(done), "restored": restored, "files": files,
+                "error": "swap of %s failed (%s)" % (rels[len(done)], exc)}
+    files = {rel: _sha_or_none(os.path.join(sd, rel)) for rel in rels}
+    bad = {rel: sha for rel, sha in files.items() if sha != targets[rel]["sha256"]}
+    _journal(state, rid, "swapped" if phase == "swap" else "restored", bad=sorted(bad))
+    return {"ok": not bad, "swapped": len(done), "files": files, "error": ("after swap: %s" % sorted(bad)) if bad else None}
+
+
+def op_journal(p):
+    _journal(p["state_dir"], p["release_id"], p["step"], **(p.get("info") or {}))
+    return {"ok": True}
 
 
 def op_record(p):
+    """Update release.json (and current.json); with `cleanup`, remove the release's temp files in the
+    package; with `journal`, append that step last (a terminal step once everything above is done)."""
     path = os.path.join(p["state_dir"], "releases", p["release_id"], "release.json")
-    rec = _read_json(path) or {}
+    rec = _read_json(path) or {"id": p["release_id"]}
     rec.update(p["updates"])
     _write_json(path, rec)
     if p.get("current") is not None:
         _write_json(os.path.join(p["state_dir"], "current.json"), p["current"])
-    return {"ok": True}
+    removed = []
+    if p.get("cleanup"):
+        c = p["cleanup"]
+        removed = _remove_tmps(c["sglang_dir"], c["files"], c["tags"])
+    if p.get("journal"):
+        _journal(p["state_dir"], p["release_id"], p["journal"], **(p.get("info") or {}))
+    return {"ok": True, "removed": removed}
 
 
 def op_prune(p):
-    root = os.path.join(p["state_dir"], "releases")
+    """Keep the newest `keep` releases that changed the host (outcome deployed/done) besides the
+    protected ones; failed attempts (aborted, rolled-back) take no slot: the newest `keep` of them
+    are kept apart for inspection. Unfinished transitions are never removed."""
+    state = p["state_dir"]
+    root = os.path.join(state, "releases")
     ids = sorted(os.listdir(root)) if os.path.isdir(root) else []
-    protect = set(p.get("protect", []))
-    removed = []
-    for rid in ids[: max(0, len(ids) - p["keep"])]:
-        if rid not in protect:
-            shutil.rmtree(os.path.join(root, rid))
-            removed.append(rid)
-    return {"removed": removed}
+    protect = set(p.get("protect", [])) | {u["release"] for u in _unfinished(state)}
+    good, failed, protected_good = [], [], 0
+    for rid in ids:
+        rec = _read_json(os.path.join(root, rid, "release.json")) or {}
+        ok = rec.get("outcome") in ("deployed", "done")
+        if rid in protect:
+            protected_good += ok
+            continue
+        (good if ok else failed).append(rid)
+    keep_good = max(0, p["keep"] - protected_good)
+    removed = good[: max(0, len(good) - keep_good)] + failed[: max(0, len(failed) - p["keep"])]
+    for rid in removed:
+        shutil.rmtree(os.path.join(root, rid))
+    return {"removed": sorted(removed)}
 
 
 def op_discard(p):

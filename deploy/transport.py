@@ -21,12 +21,6 @@ from deploy.inventory import Host, Inventory
 
 ProgressFn = Callable[[int], None]  # called with the number of bytes sent since the last call
 
-# Test hooks (env vars, tests only): close the SSH connection right after this many uploads, or at
-# a named point of a release ("after-swap"), as a network failure would.
-DROP_AFTER_PUTS_ENV = "DDTREE_DEPLOY_TEST_DROP_AFTER_PUTS"
-DROP_AT_ENV = "DDTREE_DEPLOY_TEST_DROP_AT"
-
-
 class TransportLost(RemoteUnreachable):
     """The connection dropped in the middle of an operation."""
 
@@ -69,14 +63,6 @@ class Transport:
     def close(self) -> None:
         raise NotImplementedError
 
-    def test_hook(self, point: str) -> None:
-        """Drop the connection here when the test env var names this point (SSH only)."""
-        if os.environ.get(DROP_AT_ENV) == point:
-            self.drop()
-
-    def drop(self) -> None:
-        return None
-
     def _timeout(self, timeout_s: int | None) -> int:
         return int(timeout_s if timeout_s is not None else self.host.command_timeout_s)
 
@@ -117,7 +103,6 @@ class SSHTransport(Transport):
     def __init__(self, host: Host, inventory: Inventory):
         self.host = host
         self.inventory = inventory
-        self._puts = 0
         self._dropped = False
         self.conn = None
         self._open()
@@ -236,15 +221,6 @@ class SSHTransport(Transport):
             self.conn.sftp().put(str(local), remote, callback=cb)
         except (TimeoutError, OSError, EOFError) as exc:
             raise TransportLost(f"{self.host.name}: upload of {remote} failed ({type(exc).__name__}: {exc})") from None
-        self._puts += 1
-        limit = os.environ.get(DROP_AFTER_PUTS_ENV)
-        if limit and self._puts == int(limit):
-            self.drop()
-
-    def drop(self) -> None:
-        """Really close the TCP/SSH connection (test hooks); the next operation raises TransportLost."""
-        self.conn.client.get_transport().close()
-        self._dropped = True
 
 
 def connect(host: Host, inventory: Inventory) -> Transport:

@@ -15,6 +15,9 @@ import deploy_testbed as tb
 from deploy_cli import CLI, VENV_BIN, host_toml, inventory_text, run_cli  # noqa: F401  (re-exported)
 
 
+FAULTS = Path(__file__).with_name("faults")
+
+
 def _need_root_tools() -> str | None:
     """Why the test bed cannot start here, or None. Only a missing root account is a reason to skip
     (nothing to install fixes it); a root machine without the system tools is a setup error."""
@@ -103,5 +106,7 @@ def cli_env(bed, tmp_path):
     """Environment for running the real console script against the test inventory."""
     env = dict(os.environ, DDTREE_DEPLOY_HOSTS=str(bed["inventory"]), DDTREE_DEPLOY_STATE=str(tmp_path / "deploy-state"),
                COLUMNS="160", DDTREE_DEPLOY_ALLOW_UNGATED="1")  # test builds skip the (slow) gates
-    env.pop("DDTREE_DEPLOY_TEST_DROP_AFTER_PUTS", None)
+    # the faulty transport double (tests/deploy/faults/sitecustomize.py): inert unless DDTREE_TEST_FAULT is set
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(FAULTS), env.get("PYTHONPATH")) if p)
+    env.pop("DDTREE_TEST_FAULT", None)
     return env

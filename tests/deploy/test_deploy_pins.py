@@ -127,8 +127,10 @@ def test_one_push_ships_each_host_the_build_of_its_pin(bed, pin_hosts, pin_build
     doc = json.loads(r.stdout)
     assert doc["build_id"] is None  # no single build: one per pin
     res = {o["host"]: o for o in doc["results"]}
-    assert res["ct200"]["extra"] == {"build_id": b13.build_id, "sglang_version": "0.5.13.post1"}
-    assert res["pin16"]["extra"] == {"build_id": b16.build_id, "sglang_version": PIN16}
+    for host, build, version in (("ct200", b13, "0.5.13.post1"), ("pin16", b16, PIN16)):
+        extra = res[host]["extra"]
+        assert (extra["build_id"], extra["sglang_version"]) == (build.build_id, version)
+        assert (extra["rolled_back"], extra["restarts"], extra["recovered"]) == (False, 1, [])
     assert all(o["ok"] and o["changed"] for o in res.values())
     for h, before, b in ((ct200, before13, b13), (h16, before16, b16)):
         want = dict(before)

@@ -46,6 +46,11 @@ def releases(h) -> list[str]:
     return sorted(os.listdir(d)) if d.is_dir() else []
 
 
+def journal(h, rid: str) -> list[dict]:
+    p = h.state / "releases" / rid / "journal.jsonl"
+    return [json.loads(x) for x in p.read_text().splitlines()] if p.is_file() else []
+
+
 def results(r: subprocess.CompletedProcess) -> dict[str, dict]:
     return {o["host"]: o for o in json.loads(r.stdout)["results"]}
 
@@ -155,12 +160,12 @@ def test_health_deadline_rolls_back(bed, ct200_good, builds, cli_env, tmp_path):
 
 
 def test_connection_drop_mid_upload(ct200_good, builds, cli_env):
-    """The transport's test hook really closes the SSH connection after the first uploaded file
-    (DDTREE_DEPLOY_TEST_DROP_AFTER_PUTS=1); the tool must reconnect, mark the release aborted and
-    release the lock, and the host must be unchanged."""
+    """The faulty transport double (tests/deploy/faults) really closes the SSH connection after the
+    first uploaded file; the tool must reconnect, mark the release aborted and release the lock, and
+    the host must be unchanged."""
     h = ct200_good
     before, pid = tb.tree_digest(h.sglang), pid_of(h)
-    env = dict(cli_env, DDTREE_DEPLOY_TEST_DROP_AFTER_PUTS="1")
+    env = dict(cli_env, DDTREE_TEST_FAULT="drop@put#1")
     r = run_cli(["push", "ct200", "--build", str(builds["hang_service"].root), "--json"], env)
     assert r.returncode == 1, r.stderr
     res = results(r)["ct200"]
@@ -172,13 +177,13 @@ def test_connection_drop_mid_upload(ct200_good, builds, cli_env):
 
 
 def test_connection_drop_after_swap_rolls_back(bed, ct200_good, builds, cli_env, tmp_path):
-    """The connection dies right after the swap (test hook DDTREE_DEPLOY_TEST_DROP_AT=after-swap closes
-    the SSH connection): the tool reconnects and rolls back before anything else happens."""
+    """The connection dies as the swap completes on the host (the double closes the SSH connection
+    and loses the answer of `apply`): the tool reconnects and rolls back before anything else happens."""
     h = ct200_good
     inv = tmp_path / "hosts.toml"
     inv.write_text(host_toml(bed["ssh"], h, bed["supervisor"], import_check=False))
     before = tb.tree_digest(h.sglang)
-    env = dict(cli_env, DDTREE_DEPLOY_TEST_DROP_AT="after-swap")
+    env = dict(cli_env, DDTREE_TEST_FAULT="drop@apply#1")
     r = run_cli(["push", "ct200", "-i", str(inv), "--build", str(builds["bad_service"].root), "--json"], env)
     assert r.returncode == 1, r.stderr
     res = results(r)["ct200"]
@@ -188,9 +193,10 @@ def test_connection_drop_after_swap_rolls_back(bed, ct200_good, builds, cli_env,
     assert json.loads(run_cli(["status", "ct200", "--json"], cli_env).stdout)["healthy"]
 
 
-def test_stale_lock_reported_then_broken(ct200_good, builds, cli_env):
-    """A deploy machine that dies mid-push (SIGKILL: no `finally`) leaves the lock: the next push is
-    refused naming the holder; --break-lock removes it. The host's files never changed."""
+def test_stale_lock_of_dead_process_taken_over(ct200_good, builds, cli_env):
+    """A deploy process that dies mid-push (SIGKILL: no `finally`) leaves the lock and an unfinished
+    journal; it ran on this machine and its pid is gone, so the next push says so, takes the lock
+    over, finishes the dead transition (it had not touched the files: aborted) and goes on."""
     h = ct200_good
     before, pid = tb.tree_digest(h.sglang), pid_of(h)
     victim = subprocess.Popen([str(CLI), "push", "ct200", "--build", str(builds["bad_import"].root)], env=cli_env,
@@ -199,18 +205,37 @@ def test_stale_lock_reported_then_broken(ct200_good, builds, cli_env):
     while not (h.state / "lock" / "owner.json").is_file():
         assert victim.poll() is None and time.monotonic() < deadline
         time.sleep(0.05)
+    u = run_cli(["unlock", "ct200"], cli_env)  # the holder is alive on this machine: refused
+    assert u.returncode == 6 and "alive on this machine" in u.stderr, u.stderr
     victim.kill()
     victim.wait()
     owner = json.loads((h.state / "lock" / "owner.json").read_text())
     assert owner["pid"] == victim.pid
-    r = run_cli(["push", "ct200", "--build", str(builds["syntax"].root)], cli_env)
-    assert r.returncode == 6 and "holds the lock" in r.stderr and f"pid {victim.pid}" in r.stderr and "--break-lock" in r.stderr
-    st = run_cli(["status", "ct200", "--json"], cli_env)
-    assert json.loads(st.stdout)["lock"]["pid"] == victim.pid
-    r = run_cli(["push", "ct200", "--build", str(builds["syntax"].root), "--break-lock"], cli_env)
-    assert r.returncode == 1 and "py_compile check failed" in r.stderr
+    r = run_cli(["push", "ct200", "--build", str(builds["syntax"].root), "--json"], cli_env)
+    assert r.returncode == 1 and "py_compile check failed" in r.stderr, r.stderr
+    msg = results(r)["ct200"]["message"]
+    assert "took over the stale lock" in msg and f"pid {victim.pid}" in msg
     assert not (h.state / "lock").exists()
     assert tb.tree_digest(h.sglang) == before and pid_of(h) == pid
+    assert all(journal(h, rid)[-1]["step"] in ("healthy", "rolled-back", "aborted") for rid in releases(h) if journal(h, rid))
+
+
+def test_unlock_holder_on_another_machine(ct200_good, cli_env):
+    """A lock whose holder ran on another machine cannot be checked from here: `unlock` refuses
+    without --force (exit 6), removes it with --force. The owner record is written as that other
+    machine's run would have written it."""
+    h = ct200_good
+    (h.state / "lock").mkdir()
+    (h.state / "lock" / "owner.json").write_text(json.dumps({"owner": "ops@other-machine", "machine": "other-machine",
+                                                             "pid": 4242, "time": time.time(), "action": "push",
+                                                             "release": None, "token": "feedc0de"}))
+    u = run_cli(["unlock", "ct200"], cli_env)
+    assert u.returncode == 6 and "another machine" in u.stderr and (h.state / "lock").is_dir()
+    u = run_cli(["unlock", "ct200", "--force", "--json"], cli_env)
+    assert u.returncode == 0, u.stderr
+    assert json.loads(u.stdout)["released"] and not (h.state / "lock").exists()
+    u = run_cli(["unlock", "ct200"], cli_env)
+    assert u.returncode == 0 and "no lock held" in u.stderr
 
 
 @pytest.mark.parametrize("case", ["version", "disk"])

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from deploy.agent_client import call_agent
 from deploy.errors import RemoteUnreachable
-from deploy.facts import call_agent
 from deploy.inventory import load_inventory
 from deploy.transport import LocalTransport, connect, wrap
 
