@@ -29,7 +29,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from deploy import health, restart
+from deploy import health, launch, restart
 from deploy import lock as host_lock
 from deploy.agent_client import call_agent
 from deploy.buildinfo import MANIFEST_NAME, BuildInfo, gates_verdict, load_build
@@ -301,6 +301,9 @@ def plan(
     for f in facts.files:
         st = STATUS_STYLE[f.status] + (f" ({f.release})" if f.release else "")
         tab.add_row(f.relpath, st, (f.remote_sha256 or "absent")[:12], f.build_sha256[:12])
+    if p.env is not None:  # [launch]: the env file, one more file of the release
+        st = "[bold red]drifted[/]" if p.env.drifted else ("[green]current[/]" if p.env.unchanged else "[yellow]changes[/]")
+        tab.add_row(p.env.path, st, (p.env.before_sha256 or "absent")[:12], (p.env.after_sha256 or "absent")[:12])
     console.print(tab)
     for rel, d in p.diffs.items():
         console.rule(rel)
@@ -355,6 +358,7 @@ def status(
             raw = host_state(t)
             out.update(sglang_version=raw["version"], sglang_dir=raw["sglang_dir"], current=raw["current"],
                        lock=raw["lock"])
+        out["launch"] = launch.live(t)  # [launch]: the flags the service starts with
         out["service"] = restart.service_state(t)
         try:
             info = health.server_info(t) if out["service"] == "running" else None
@@ -397,6 +401,12 @@ def status(
     tab.add_row("service", out["service"])
     tab.add_row("health", "healthy" if out["healthy"] else "not healthy")
     tab.add_row("speculative algorithm", str(out.get("speculative_algorithm", "-")))
+    if out.get("launch"):
+        lf = out["launch"]
+        pending = ("" if "speculative_algorithm" not in out or str(out["speculative_algorithm"]).upper() == lf["expect_algorithm"]
+                   else " [bold red](the service runs another algorithm: restart pending or flags ignored)[/]")
+        tab.add_row("launch flags", f"{lf['env_file']} {lf['variable']}={escape(lf['args'] or '(unset)')} "
+                    f"(expects {lf['expect_algorithm']}){pending}")
     for k, v in (out.get("metrics") or {}).items():
         tab.add_row(k, str(v))
     console.print(tab)

@@ -14,6 +14,7 @@ from deploy.agent_client import call_agent
 from deploy.transport import Transport
 
 TickFn = Callable[[float], None]  # called with the elapsed seconds while waiting
+INVENTORY = object()  # `expect` default: the inventory's health.expect_algorithm
 
 
 @dataclass
@@ -57,7 +58,9 @@ def algorithm_and_metrics(info: dict) -> tuple[str | None, dict]:
     return algo, metrics
 
 
-def wait_healthy(t: Transport, tick: TickFn | None = None) -> HealthReport:
+def wait_healthy(t: Transport, tick: TickFn | None = None, expect=INVENTORY) -> HealthReport:
+    """`expect`: the speculative algorithm required (None: no check); by default the inventory's.
+    With [launch], each transition passes the algorithm of the flags it puts in place."""
     h = t.host.health
     start = time.monotonic()
     last = "no answer yet"
@@ -76,12 +79,13 @@ def wait_healthy(t: Transport, tick: TickFn | None = None) -> HealthReport:
             return HealthReport(False, f"not healthy within the {h.deadline_s:g}s deadline (last: {last})", elapsed,
                                 log_tail=restart.log_tail(t))
         time.sleep(min(h.interval_s, max(0.0, h.deadline_s - elapsed) + 0.05))
-    return check_service(t, start)
+    return check_service(t, start, expect)
 
 
-def check_service(t: Transport, start: float | None = None) -> HealthReport:
+def check_service(t: Transport, start: float | None = None, expect=INVENTORY) -> HealthReport:
     """The checks after /health answers: speculative algorithm, then a smoke generation."""
     h = t.host.health
+    want = h.expect_algorithm if expect is INVENTORY else expect
     start = time.monotonic() if start is None else start
     info = server_info(t)
 
@@ -91,8 +95,8 @@ def check_service(t: Transport, start: float | None = None) -> HealthReport:
     if info is None:
         return HealthReport(False, "/get_server_info did not answer with JSON", since())
     algo, metrics = algorithm_and_metrics(info)
-    if h.expect_algorithm and str(algo).upper() != h.expect_algorithm.upper():
-        return HealthReport(False, f"speculative_algorithm is {algo!r}, expected {h.expect_algorithm!r}", since(),
+    if want and str(algo).upper() != want.upper():
+        return HealthReport(False, f"speculative_algorithm is {algo!r}, expected {want!r}", since(),
                             algorithm=algo, metrics=metrics)
     smoke = None
     if h.smoke is not None:

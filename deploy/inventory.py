@@ -22,6 +22,7 @@ from pydantic import (
     model_validator,
 )
 
+from deploy import launch as _launch
 from deploy.errors import ConfigError
 
 if sys.version_info >= (3, 11):
@@ -114,6 +115,30 @@ class Health(_Strict):
         return v.rstrip("/")
 
 
+class Launch(_Strict):
+    """The service's speculative flags as part of the release (deploy/launch.py): the unit reads
+    `variable` from `env_file` (systemd EnvironmentFile=, or a supervisord wrapper that sources it)."""
+
+    env_file: str
+    variable: str = _launch.DEFAULT_VARIABLE
+    ddtree_args: str = _launch.DEFAULT_DDTREE_ARGS  # what a push of a DDTREE build sets
+
+    @field_validator("env_file")
+    @classmethod
+    def _env_file(cls, v: str) -> str:
+        return _launch.validate_env_file(v)
+
+    @field_validator("variable")
+    @classmethod
+    def _variable(cls, v: str) -> str:
+        return _launch.validate_variable(v)
+
+    @field_validator("ddtree_args")
+    @classmethod
+    def _args(cls, v: str) -> str:
+        return _launch.validate_ddtree_args(v)
+
+
 class Host(_Strict):
     """One deploy target. `name` is the inventory key."""
 
@@ -139,6 +164,7 @@ class Host(_Strict):
     import_check: bool = True  # import the staged modules with `python` before the swap
     restart: Restart
     health: Health = Health()
+    launch: Launch | None = None  # the launch flags travel with the release (push sets, rollback restores)
 
     @field_validator("python", "sglang_dir", "state_dir")
     @classmethod
@@ -159,6 +185,10 @@ class Host(_Strict):
             raise ValueError("give `ssh_alias` (an ~/.ssh/config host) or `address`")
         elif self.ssh_alias and self.address:
             raise ValueError("give either `ssh_alias` or `address`, not both")
+        if self.launch is not None and "expect_algorithm" in self.health.model_fields_set:
+            raise ValueError("with [launch] the health gate expects the algorithm of the flags each state puts in "
+                             "place (DDTREE after a push, the previous flags' after a rollback); "
+                             "remove health.expect_algorithm")
         return self
 
 

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from deploy import health, lock, pins, records, restart
+from deploy import health, launch, lock, pins, records, restart
 from deploy.agent_client import call_agent
 from deploy.buildinfo import BuildInfo
 from deploy.errors import (
@@ -35,6 +35,7 @@ from deploy.errors import (
 )
 from deploy.facts import HostFacts, gather, require_version
 from deploy.inventory import Host, Inventory
+from deploy.launch import store_rel
 from deploy.transport import Transport, TransportLost, connect
 
 PRISTINE = "pristine"
@@ -104,6 +105,9 @@ class Releaser:
         self.rolled_back = False   # an automatic rollback ran (and restored the files)
         self.open_rid: str | None = None  # a transition started here and not finished yet
         self.recovered: list[str] = []    # unfinished transitions of earlier runs finished by this one
+        # the health gate's speculative algorithm: the inventory's, or with [launch] that of the flags
+        # the transition puts in place (set by push/rollback; _auto_rollback switches to the previous)
+        self.expect = health.INVENTORY
 
     def _agent(self, op: str, payload: dict, timeout_s: int | None = None) -> dict:
         return call_agent(self.t, op, dict(payload, state_dir=self.h.state_dir), timeout_s)
@@ -149,7 +153,7 @@ class Releaser:
                 for rel, local in sorted(uploads.items()):
                     self._safe_point()
                     try:
-                        self.t.put(local, f"{self._rdir(rid)}/files/{rel}", lambda n: self.ev.upload(name, n, total))
+                        self.t.put(local, f"{self._rdir(rid)}/files/{store_rel(rel)}", lambda n: self.ev.upload(name, n, total))
                     except OSError as exc:  # the state filesystem filled up, ...
                         self._finish(rid, "aborted", {"outcome": "aborted", "error": str(exc)}, sd, targets)
                         raise DeployFailed(f"{name}: upload of {rel} failed ({exc}); nothing changed, nothing restarted") from None
@@ -221,7 +225,7 @@ class Releaser:
             if interruptible:
                 self._safe_point()
 
-        rep = health.wait_healthy(self.t, tick)
+        rep = health.wait_healthy(self.t, tick, self.expect)
         return rep.ok, rep
 
     def _restore(self, rid: str, rec: dict, reason: str, sglang_dir: str) -> tuple[bool, health.HealthReport]:
@@ -233,7 +237,9 @@ class Releaser:
         backup = rec["backup"]
         self.open_rid = rid
         self._journal(rid, "rolling-back", reason=reason)
-        targets = {rel: {"src": f"{self._rdir(rid)}/backup/{rel}" if sha else None, "sha256": sha}
+        if rec.get("launch"):  # [launch]: the backup restores the previous flags; expect their algorithm
+            self.expect = rec["launch"]["previous_expect_algorithm"]
+        targets = {rel: {"src": f"{self._rdir(rid)}/backup/{store_rel(rel)}" if sha else None, "sha256": sha}
                    for rel, sha in backup.items()}
         a = self._agent("apply", {"sglang_dir": sglang_dir, "targets": targets, "tag": rid + "-undo",
                                   "forward_tag": rid, "release_id": rid, "phase": "restore"})
@@ -331,11 +337,13 @@ class Releaser:
         self.recover(break_lock=break_lock)
         facts = gather(self.t, build)
         require_version(self.t, facts, build)
-        if facts.up_to_date:
+        env = launch.for_push(self.t, build, facts.current, facts.releases)  # [launch]: the env file's change
+        if facts.up_to_date and launch.unchanged(env):
             return Outcome(name, "push", True, EXIT_OK, f"already runs build {build.build_id}: nothing to do",
                            release=(facts.current or {}).get("release"))
-        if facts.drifted and not force:
-            lst = ", ".join(f"{f.relpath} ({f.status})" for f in facts.drifted)
+        drifted = [f"{f.relpath} ({f.status})" for f in facts.drifted] + ([f"{env.path} (drifted)"] if env and env.drifted else [])
+        if drifted and not force:
+            lst = ", ".join(drifted)
             raise RemoteRefused(f"{name}: files changed outside this tool: {lst}; refusing "
                                 "(inspect with `ddtree-deploy plan --diff`, or --force to overwrite; the originals are backed up)")
         low = space_shortfall(facts, build, self.h.min_free_mb)
@@ -347,7 +355,8 @@ class Releaser:
         rid = new_release_id(build.build_id[:8])
         with lock.held(self.t, rid, "push"):
             facts = gather(self.t, build)  # again, under the lock
-            if facts.up_to_date:
+            env = launch.for_push(self.t, build, facts.current, facts.releases)
+            if facts.up_to_date and launch.unchanged(env):
                 return Outcome(name, "push", True, EXIT_OK, f"already runs build {build.build_id}: nothing to do")
             cur = facts.current or {}
             record = {"id": rid, "time": _now(), "action": "push", "build_id": build.build_id,
@@ -357,10 +366,17 @@ class Releaser:
                       "previous": cur.get("state") if cur.get("state") != PRISTINE else None}
             targets = {r: {"src": f"{self._rdir(rid)}/files/{r}", "sha256": f.sha256} for r, f in build.files.items()}
             uploads = {r: build.path_of(r) for r in build.files}
+            if env is not None:  # [launch]: the env file is one more file of this release
+                env.add_to_push(record, targets, uploads, self._rdir(rid))
+                self.expect = env.expect_after
             try:
                 out = self.transition(facts, rid, record, targets, uploads, new_state=rid)
             finally:
+                if env is not None:
+                    env.cleanup()
                 self._prune(rid, record["previous"])
+            if env is not None:
+                out.extra["launch"] = env.to_json()
             return out
 
     def _prune(self, keep_id: str, previous: str | None) -> None:
@@ -391,7 +407,7 @@ class Releaser:
                                     "(give --to <release> to restore a named release)")
             base = recs[state]
             new_state = base.get("previous") or PRISTINE
-            targets = {rel: {"src": f"{self._rdir(state)}/backup/{rel}" if sha else None, "sha256": sha}
+            targets = {rel: {"src": f"{self._rdir(state)}/backup/{store_rel(rel)}" if sha else None, "sha256": sha}
                        for rel, sha in (base.get("backup") or {}).items()}
         elif to == PRISTINE:
             new_state = PRISTINE
@@ -402,8 +418,9 @@ class Releaser:
                 raise RemoteRefused(f"{name}: no deployable release {to!r} on the host (known: {', '.join(sorted(pushes)) or 'none'})")
             new_state = to
             targets = self._pristine_targets([k for k in known if k not in recs[to]["files"]], pristine_sha)
-            targets.update({rel: {"src": f"{self._rdir(to)}/files/{rel}", "sha256": sha}
+            targets.update({rel: {"src": f"{self._rdir(to)}/files/{store_rel(rel)}", "sha256": sha}
                             for rel, sha in recs[to]["files"].items()})
+        env = launch.for_rollback(self.t, recs, targets)  # [launch]: the flags it puts back (health gate)
         f2 = self._agent("facts", {"sglang_dir": self.h.sglang_dir, "files": sorted(targets)})
         if all((f2["files"][r] or {}).get("sha256") == t["sha256"] for r, t in targets.items()) and state == new_state:
             return Outcome(name, "rollback", True, EXIT_OK, f"already in state {new_state}: nothing to do")
@@ -415,18 +432,23 @@ class Releaser:
             record = {"id": rid, "time": _now(), "action": "rollback", "to": new_state,
                       "files": {r: t["sha256"] for r, t in targets.items()}, "previous": state if state != PRISTINE else None,
                       "pristine": {r: pristine_sha.get(r) for r in targets}}
+            if env is not None:
+                record["launch"] = env.record()
+                self.expect = env.expect_after
             try:
                 out = self.transition(facts, rid, record, targets, None, new_state=new_state)
             finally:
                 self._prune(rid, new_state if new_state != PRISTINE else None)
             out.message = f"rolled back to {new_state}: healthy"
+            if env is not None:
+                out.extra["launch"] = env.to_json()
             return out
 
     def _pristine_targets(self, rels, pristine_sha: dict) -> dict[str, dict]:
         out = {}
         for rel in rels:
             sha = pristine_sha.get(rel)
-            out[rel] = {"src": f"{self.h.state_dir}/pristine/{rel}" if sha else None, "sha256": sha}
+            out[rel] = {"src": f"{self.h.state_dir}/pristine/{store_rel(rel)}" if sha else None, "sha256": sha}
         missing = [r for r, t in out.items() if t["src"]]
         if missing:
             store = self._agent("hashes", {"root": f"{self.h.state_dir}/pristine", "files": missing})["files"]

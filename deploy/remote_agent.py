@@ -110,7 +110,7 @@ def _unfinished(state):
 
 
 def _tmp_path(sd, rel, tag, kind):
-    dest = os.path.join(sd, rel)
+    dest = _dest(sd, rel)
     return os.path.join(os.path.dirname(dest), ".%s.ddtree-%s.%s" % (os.path.basename(dest), tag, kind))
 
 
@@ -157,6 +157,31 @@ def _free_mb(path):
     return shutil.disk_usage(path or "/").free // (1 << 20)
 
 
+# Targets are package paths relative to sglang_dir, or absolute paths (the launch env file,
+# deploy/launch.py). An absolute target lives at its own path; its copies under a release's files/
+# and backup/ and under pristine/ are stored as @abs/<path> (os.path.join(root, "/etc/x") would
+# be "/etc/x" itself).
+ABS = "@abs"
+
+
+def _dest(sd, rel):
+    return rel if os.path.isabs(rel) else os.path.join(sd, rel)
+
+
+def _store(root, rel):
+    return os.path.join(root, ABS + rel) if os.path.isabs(rel) else os.path.join(root, rel)
+
+
+def _check_writable(path):
+    """An absolute target must be replaceable by this user (rename in its directory) before
+    anything is staged: the launch env file often lives in /etc."""
+    d = os.path.dirname(path)
+    while d and not os.path.isdir(d):
+        d = os.path.dirname(d)
+    if not os.access(d or "/", os.W_OK):
+        raise RuntimeError("cannot replace %s: directory %s is not writable by this user" % (path, d))
+
+
 def _releases(state_dir):
     root = os.path.join(state_dir, "releases")
     out = []
@@ -173,10 +198,10 @@ def op_facts(p):
     state = p["state_dir"]
     files = {}
     for rel in p["files"]:
-        path = os.path.join(sd, rel)
+        path = _dest(sd, rel)
         files[rel] = {"sha256": _sha(path), "size": os.path.getsize(path)} if os.path.isfile(path) else None
     pristine_root = os.path.join(state, "pristine")
-    pristine = {rel: _sha_or_none(os.path.join(pristine_root, rel)) for rel in p["files"]}
+    pristine = {rel: _sha_or_none(_store(pristine_root, rel)) for rel in p["files"]}
     return {
         "python": sys.executable,
         "hostname": __import__("socket").gethostname(),
@@ -193,7 +218,7 @@ def op_facts(p):
 
 
 def op_hashes(p):
-    return {"files": {rel: _sha_or_none(os.path.join(p["root"], rel)) for rel in p["files"]}}
+    return {"files": {rel: _sha_or_none(_store(p["root"], rel)) for rel in p["files"]}}
 
 
 def op_lock(p):
@@ -228,6 +253,9 @@ def op_stage(p):
     failure (ENOSPC, ...) removes what this op wrote and ends the journal with `aborted`."""
     sd, state, rid = p["sglang_dir"], p["state_dir"], p["release_id"]
     rdir = os.path.join(state, "releases", rid)
+    for rel in p["files"]:
+        if os.path.isabs(rel):
+            _check_writable(rel)
     os.makedirs(rdir)
     made = []
     try:
@@ -235,14 +263,14 @@ def op_stage(p):
         os.makedirs(os.path.join(rdir, "files"))
         backup = {}
         for rel in p["files"]:
-            src = os.path.join(sd, rel)
+            src = _dest(sd, rel)
             if os.path.isfile(src):
-                dst = os.path.join(rdir, "backup", rel)
+                dst = _store(os.path.join(rdir, "backup"), rel)
                 os.makedirs(os.path.dirname(dst), exist_ok=True)
                 shutil.copyfile(src, dst)
                 backup[rel] = _sha(dst)
                 if backup[rel] == p["pristine"].get(rel):
-                    keep = os.path.join(state, "pristine", rel)
+                    keep = _store(os.path.join(state, "pristine"), rel)
                     if not os.path.isfile(keep):
                         os.makedirs(os.path.dirname(keep), exist_ok=True)
                         tmp = keep + ".tmp-%d" % os.getpid()
@@ -251,7 +279,7 @@ def op_stage(p):
                         os.replace(tmp, keep)
             else:
                 backup[rel] = None
-            os.makedirs(os.path.dirname(os.path.join(rdir, "files", rel)), exist_ok=True)
+            os.makedirs(os.path.dirname(_store(os.path.join(rdir, "files"), rel)), exist_ok=True)
         rec = dict(p["record"], backup=backup, outcome="staging")
         _write_json(os.path.join(rdir, "release.json"), rec)
         _journal(state, rid, "staged")
@@ -300,11 +328,11 @@ def op_verify(p):
     rdir = os.path.join(p["state_dir"], "releases", p["release_id"], "files")
     staged = {}
     for rel, sha in sorted(p["files"].items()):
-        path = os.path.join(rdir, rel)
+        path = _store(rdir, rel)
         got = _sha_or_none(path)
         if got != sha:
             return {"ok": False, "stage": "upload", "error": "%s: uploaded file hash %s != build %s" % (rel, got, sha)}
-        if rel.endswith(".py"):
+        if rel.endswith(".py") and not os.path.isabs(rel):
             try:
                 with open(path, "rb") as f:
                     compile(f.read(), path, "exec", dont_inherit=True)
@@ -343,7 +371,7 @@ def op_apply(p):
     made = []
     try:
         for rel in rels:
-            t, dest = targets[rel], os.path.join(sd, rel)
+            t, dest = targets[rel], _dest(sd, rel)
             if phase == "swap" and os.path.isfile(dest):
                 old = _tmp_path(sd, rel, tag, "old")
                 if os.path.lexists(old):
@@ -373,20 +401,20 @@ def op_apply(p):
     try:
         for k, rel in enumerate(rels, 1):
             _journal(state, rid, "swapping" if phase == "swap" else "restoring", k=k, n=len(rels), file=rel)
-            dest = os.path.join(sd, rel)
+            dest = _dest(sd, rel)
             if targets[rel]["src"] is None:
                 if os.path.lexists(dest):
                     os.unlink(dest)
             else:
                 os.replace(_tmp_path(sd, rel, tag, "new"), dest)  # atomic on one filesystem
             done.append(rel)
-        for d in sorted({os.path.dirname(os.path.join(sd, r)) for r in rels if os.path.isdir(os.path.dirname(os.path.join(sd, r)))}):
+        for d in sorted({os.path.dirname(_dest(sd, r)) for r in rels if os.path.isdir(os.path.dirname(_dest(sd, r)))}):
             _fsync_dir(d)
     except OSError as exc:
         restored = phase == "swap"
         if phase == "swap":
             for rel in done:
-                old, dest = _tmp_path(sd, rel, tag, "old"), os.path.join(sd, rel)
+                old, dest = _tmp_path(sd, rel, tag, "old"), _dest(sd, rel)
                 try:
                     if os.path.lexists(old):
                         os.replace(old, dest)
@@ -395,10 +423,10 @@ def op_apply(p):
                 except OSError:
                     restored = False
         _remove_tmps(sd, rels, [tag])
-        files = {rel: _sha_or_none(os.path.join(sd, rel)) for rel in rels}
+        files = {rel: _sha_or_none(_dest(sd, rel)) for rel in rels}
         return {"ok": False, "swapped": len(done), "restored": restored, "files": files,
                 "error": "swap of %s failed (%s)" % (rels[len(done)], exc)}
-    files = {rel: _sha_or_none(os.path.join(sd, rel)) for rel in rels}
+    files = {rel: _sha_or_none(_dest(sd, rel)) for rel in rels}
     bad = {rel: sha for rel, sha in files.items() if sha != targets[rel]["sha256"]}
     _journal(state, rid, "swapped" if phase == "swap" else "restored", bad=sorted(bad))
     return {"ok": not bad, "swapped": len(done), "files": files, "error": ("after swap: %s" % sorted(bad)) if bad else None}

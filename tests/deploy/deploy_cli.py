@@ -16,12 +16,16 @@ CLI = VENV_BIN / "ddtree-deploy"
 
 
 def host_toml(ssh, h, sup_conf, *, deadline: float = 240, known_hosts: Path | None = None,
-              import_check: bool | None = None) -> str:
+              import_check: bool | None = None, kind: str | None = None, launch: str | None = None) -> str:
     """One [hosts.<name>] table for a test host. The pre-swap import check (tens of seconds on a
     CPU for the real build) runs on ct200 by default; other hosts and scenarios that test later
-    stages switch it off to keep the suite fast."""
+    stages switch it off to keep the suite fast. `kind` (default: the host's name) picks how it is
+    reached and supervised: ct200 (loopback sshd, systemd shim), gpu-b (ssh_config alias through
+    ProxyJump into the netns, supervisord), local (pidfile). `launch`: the body of its
+    [hosts.<name>.launch] table (the health gate then derives the algorithm from the flags)."""
+    kind = kind or h.name
     if import_check is None:
-        import_check = h.name == "ct200"
+        import_check = kind == "ct200"
     common = textwrap.dedent(f"""\
         python = "{h.python}"
         import_check = {str(import_check).lower()}
@@ -37,10 +41,12 @@ def host_toml(ssh, h, sup_conf, *, deadline: float = 240, known_hosts: Path | No
         expect_algorithm = "{h.algorithm}"
         smoke = {{ text = "The capital of France is", max_new_tokens = 6 }}
         """)
-    if h.name == "ct200":
+    if launch is not None:
+        health = health.replace(f'expect_algorithm = "{h.algorithm}"\n', "") + f"[hosts.{h.name}.launch]\n{launch}\n"
+    if kind == "ct200":
         kh = known_hosts or ssh.known_hosts
         return textwrap.dedent(f"""\
-            [hosts.ct200]
+            [hosts.{h.name}]
             address = "127.0.0.1"
             port = {ssh.port}
             user = "root"
@@ -51,9 +57,9 @@ def host_toml(ssh, h, sup_conf, *, deadline: float = 240, known_hosts: Path | No
             """) + common + textwrap.dedent(f"""\
             restart = {{ strategy = "systemd", unit = "sglang.service", log_file = "{h.root}/run/sglang.log" }}
             """) + health
-    if h.name == "gpu-b":
+    if kind == "gpu-b":
         return textwrap.dedent(f"""\
-            [hosts.gpu-b]
+            [hosts.{h.name}]
             ssh_alias = "gpu-b"
             ssh_config = "{ssh.ssh_config}"
             connect_timeout_s = 5
@@ -61,7 +67,7 @@ def host_toml(ssh, h, sup_conf, *, deadline: float = 240, known_hosts: Path | No
             restart = {{ strategy = "supervisor", program = "sglang", supervisorctl = "{VENV_BIN}/supervisorctl", config = "{sup_conf}", log_file = "{h.root}/run/service.log" }}
             """) + health
     argv = ", ".join(f'"{a}"' for a in ["/usr/bin/env", "DDTREE_TEST_SERVICE_ENV=1", *tb.service_argv(h)])
-    return "[hosts.local]\n" + common + textwrap.dedent(f"""\
+    return f"[hosts.{h.name}]\n" + common + textwrap.dedent(f"""\
         restart = {{ strategy = "pidfile", pidfile = "{h.root}/run/service.pid", command = [{argv}], chdir = "{h.root}", log_file = "{h.root}/run/service.log" }}
         """) + health
 

@@ -243,22 +243,41 @@ def make_host(name: str, root: Path, site_cache: Path, algorithm: str) -> TestHo
     return h
 
 
-def service_argv(h: TestHost) -> list[str]:
-    return [str(h.python), str(SERVICE), "--host", "127.0.0.1", "--port", str(h.port), "--speculative-algorithm", h.algorithm]
+LAUNCH_VAR = "SGLANG_SPEC_ARGS"
 
 
-def setup_systemd(h: TestHost, unit: str = "sglang") -> None:
+def service_argv(h: TestHost, launch: bool = False) -> list[str]:
+    """The service's argv; `launch`: its speculative flags come from $SGLANG_SPEC_ARGS (the env
+    file of [hosts.X.launch]) instead of a fixed --speculative-algorithm."""
+    base = [str(h.python), str(SERVICE), "--host", "127.0.0.1", "--port", str(h.port)]
+    return base if launch else [*base, "--speculative-algorithm", h.algorithm]
+
+
+def setup_systemd(h: TestHost, unit: str = "sglang", env_file: Path | None = None) -> None:
+    """A unit for the systemctl shim; with `env_file`, as a real unit would read the launch flags:
+    `EnvironmentFile=-<env_file>` and `ExecStart=... $SGLANG_SPEC_ARGS` (split into words)."""
     for shim in ("systemctl", "sudo"):
         shutil.copyfile(SHIMS / shim, h.root / "bin" / shim)
         (h.root / "bin" / shim).chmod(0o755)
     (h.root / "units").mkdir()
-    argv = " ".join(f"'{a}'" for a in service_argv(h))
-    (h.root / "units" / f"{unit}.sh").write_text(f"#!/bin/sh\nexport DDTREE_TEST_SERVICE_ENV=1\nexec {argv}\n")
+    argv = " ".join(f"'{a}'" for a in service_argv(h, launch=env_file is not None))
+    if env_file is None:
+        (h.root / "units" / f"{unit}.sh").write_text(f"#!/bin/sh\nexport DDTREE_TEST_SERVICE_ENV=1\nexec {argv}\n")
+    else:
+        (h.root / "units" / f"{unit}.sh").write_text(
+            f"#!/bin/sh\n# EnvironmentFile=-{env_file}\nexport DDTREE_TEST_SERVICE_ENV=1\nexec {argv} ${LAUNCH_VAR}\n")
 
 
-def setup_supervisor(h: TestHost, netns: str | None) -> Path:
+def setup_supervisor(h: TestHost, netns: str | None, env_file: Path | None = None) -> Path:
+    """supervisord (in `netns`) with the program `sglang`; with `env_file`, the wrapper the README
+    shows: `sh -c 'set -a; [ -f ENV ] && . ENV; set +a; exec ... $SGLANG_SPEC_ARGS'`."""
     conf = h.root / "supervisord.conf"
     run = h.root / "run"
+    if env_file is None:
+        command = " ".join(service_argv(h))
+    else:
+        argv = " ".join(service_argv(h, launch=True))
+        command = f"/bin/sh -c 'set -a; [ -f {env_file} ] && . {env_file}; set +a; exec {argv} ${LAUNCH_VAR}'"
     conf.write_text(textwrap.dedent(f"""\
         [unix_http_server]
         file={run}/supervisor.sock
@@ -270,7 +289,7 @@ def setup_supervisor(h: TestHost, netns: str | None) -> Path:
         [supervisorctl]
         serverurl=unix://{run}/supervisor.sock
         [program:sglang]
-        command={' '.join(service_argv(h))}
+        command={command}
         environment=DDTREE_TEST_SERVICE_ENV="1"
         autostart=false
         autorestart=false

@@ -3,7 +3,11 @@
 At start it imports the SGLang modules the DDTree build changes, from whatever SGLang the python
 resolves (the host's own copy), so a broken deployed build really fails here; it validates its
 `--speculative-algorithm` with SGLang's own `SpeculativeAlgorithm.from_string` (DDTREE only exists
-once the patch series is deployed). Then it answers /health, /get_server_info and /generate.
+once the patch series is deployed: pristine SGLang refuses it at start, as the real server does) and
+refuses any other flag that is not a field of the installed `ServerArgs` (`--speculative-ddtree-*`
+only exist once deployed), like `launch_server`'s argument parser. Without `--speculative-algorithm`
+it runs no speculative decoding (`speculative_algorithm` null). Then it answers /health,
+/get_server_info (with the extra flags as server args) and /generate.
 No GPU and no model: /generate returns a deterministic continuation computed from the prompt.
 """
 
@@ -23,7 +27,29 @@ WORKERS = ["sglang.srt.speculative.dflash_worker", "sglang.srt.speculative.dflas
 OPTIONAL = ["sglang.srt.speculative.ddtree_utils"]
 
 
-def load(algorithm: str) -> dict:
+def server_flags(extra: list[str]) -> dict:
+    """The other `--flag [value]` arguments, each a field of this sglang's ServerArgs, else refused."""
+    import dataclasses
+
+    from sglang.srt.server_args import ServerArgs
+
+    fields = {f.name for f in dataclasses.fields(ServerArgs)}
+    out: dict = {}
+    i = 0
+    while i < len(extra):
+        tok = extra[i]
+        name, eq, value = tok.partition("=")
+        key = name[2:].replace("-", "_")
+        if not tok.startswith("--") or key not in fields:
+            raise SystemExit(f"launch_server: error: unrecognized arguments: {tok}")
+        if not eq and i + 1 < len(extra) and not extra[i + 1].startswith("--"):
+            value, i = extra[i + 1], i + 1
+        out[key] = value if (eq or value) else True
+        i += 1
+    return out
+
+
+def load(algorithm: str | None, extra: list[str]) -> dict:
     import sglang
 
     for m in MODULES:
@@ -41,8 +67,9 @@ def load(algorithm: str) -> dict:
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
     algo = SpeculativeAlgorithm.from_string(algorithm)  # raises for an unknown algorithm
-    return {"version": sglang.__version__, "sglang_dir": list(sglang.__path__)[0], "algorithm": algo.name,
-            "optional_modules": present}
+    flags = server_flags(extra)
+    return {"version": sglang.__version__, "sglang_dir": list(sglang.__path__)[0],
+            "algorithm": algo.name if algorithm is not None else None, "optional_modules": present, "flags": flags}
 
 
 class Stats:
@@ -83,7 +110,7 @@ def make_handler(info: dict, stats: Stats):
                     accept = stats.tokens / stats.steps if stats.steps else None
                     st = {"avg_spec_accept_length": accept, "spec_verify_steps": stats.steps,
                           "generated_tokens": stats.tokens}
-                self._send(200, {"version": info["version"], "speculative_algorithm": info["algorithm"],
+                self._send(200, {**info["flags"], "version": info["version"], "speculative_algorithm": info["algorithm"],
                                  "sglang_dir": info["sglang_dir"], "optional_modules": info["optional_modules"],
                                  "internal_states": [st]})
             else:
@@ -114,9 +141,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, required=True)
-    ap.add_argument("--speculative-algorithm", required=True)
-    args = ap.parse_args()
-    info = load(args.speculative_algorithm)
+    ap.add_argument("--speculative-algorithm", default=None)
+    args, extra = ap.parse_known_args()
+    info = load(args.speculative_algorithm, extra)
     srv = ThreadingHTTPServer((args.host, args.port), make_handler(info, Stats()))
     print(f"serving sglang {info['version']} from {info['sglang_dir']} ({info['algorithm']}) on {args.host}:{args.port}", flush=True)
     srv.serve_forever()

@@ -1,0 +1,386 @@
+"""The service's launch flags as part of a release (`[hosts.<name>.launch]`).
+
+The SGLang service reads its speculative flags from one variable of an environment file, e.g.
+`/etc/sglang/ddtree.env`:
+
+    # SGLANG_SPEC_ARGS: the speculative flags of the SGLang service, managed by ddtree-deploy
+    # (push of a DDTREE build sets them; rollback restores the previous ones with the files).
+    SGLANG_SPEC_ARGS="--speculative-algorithm DDTREE --speculative-ddtree-budget 63"
+
+systemd: `EnvironmentFile=-/etc/sglang/ddtree.env` and `$SGLANG_SPEC_ARGS` (unbraced: split into
+words) on the `ExecStart=` line. supervisord (no env files): a wrapper program,
+`command=/bin/sh -c 'set -a; [ -f /etc/sglang/ddtree.env ] && . /etc/sglang/ddtree.env; set +a; exec /opt/sglang/venv/bin/python -m sglang.launch_server ... $SGLANG_SPEC_ARGS'`.
+The value is validated so that systemd and `sh` read it identically (no quotes, `$` or spaces in a flag).
+
+The env file is one more file of the release, keyed by its absolute path in `targets`, the release
+record's `files`/`backup`/`pristine` and `current.json`: backed up before the swap (its bytes
+before the first push are the pristine copy), uploaded, hashed, swapped atomically, restored by
+`rollback` and by the automatic rollback in the same transition. Under a release's `files/` and
+`backup/` and under `pristine/` an absolute path is stored as `@abs/<path>` (store_rel).
+
+A push of a DDTREE build (its spec_info.py defines DDTREE) sets the variable to `ddtree_args` and
+keeps every other line of the file; a build without DDTREE leaves the file as it is. The health
+gate of a transition expects the algorithm that the env file it puts in place names
+(`--speculative-algorithm X`, or NONE when there is none: SGLang then reports null), so a rollback
+expects the previous flags' algorithm, and the automatic rollback after a failed push expects the
+algorithm of the flags it restores. Each release record has a `launch` entry with both sides.
+"""
+
+from __future__ import annotations
+
+import base64
+import difflib
+import hashlib
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from deploy.errors import RemoteRefused
+
+if TYPE_CHECKING:  # deploy.inventory imports this module for its validators: no cycle at run time
+    from deploy.buildinfo import BuildInfo
+    from deploy.transport import Transport
+
+DEFAULT_VARIABLE = "SGLANG_SPEC_ARGS"
+DEFAULT_DDTREE_ARGS = "--speculative-algorithm DDTREE --speculative-ddtree-budget 63"
+NO_ALGORITHM = "NONE"  # what the health gate expects when the flags name no algorithm
+ABS_PREFIX = "@abs"  # absolute target paths under files/, backup/ and pristine/
+SPEC_INFO = "srt/speculative/spec_info.py"
+DDTREE_MAX_BUDGET = 1023  # patches/*/0002-server-args-ddtree-flags.patch
+DDTREE_INT_FLAGS = {"--speculative-ddtree-budget": (1, DDTREE_MAX_BUDGET), "--speculative-ddtree-topk-cap": (1, None)}
+DDTREE_BOOL_FLAGS = ("--speculative-ddtree-allow-hybrid-unsafe", "--speculative-ddtree-debug-metrics")
+# characters that systemd's EnvironmentFile= / `$VAR` and sh's `.` / `$VAR` read the same way
+_SAFE_TOKEN = re.compile(r"^[A-Za-z0-9_./:,=+@%-]+$")
+_VARIABLE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+MARKER = ("# {variable}: the speculative flags of the SGLang service, managed by ddtree-deploy\n"
+          "# (push of a DDTREE build sets them; rollback restores the previous ones with the files).")
+
+
+def store_rel(rel: str) -> str:
+    """A target's path under a release's files/ or backup/ (and under pristine/): package files as
+    they are, an absolute path (the env file) as `@abs/<path>` so it cannot collide with them."""
+    return ABS_PREFIX + rel if rel.startswith("/") else rel
+
+
+# -- validation (inventory) -----------------------------------------------------------------------
+def validate_variable(name: str) -> str:
+    if not _VARIABLE.match(name):
+        raise ValueError(f"must be a shell/systemd variable name (letters, digits, _), got {name!r}")
+    return name
+
+
+def validate_env_file(path: str) -> str:
+    if not path.startswith("/"):
+        raise ValueError(f"must be an absolute path on the host, got {path!r}")
+    if path.endswith("/") or any(part in ("", ".", "..") for part in path[1:].split("/")):
+        raise ValueError(f"must be a normalized file path (no //, . or ..), got {path!r}")
+    if re.search(r"[\s\x00-\x1f]", path):
+        raise ValueError(f"must not contain whitespace or control characters, got {path!r}")
+    return path
+
+
+def validate_ddtree_args(args: str) -> str:
+    """The flags a DDTREE build turns on; one-line error (ValueError) for what SGLang would refuse at
+    start (after the swap and restart) or what the env file cannot carry. Returns them normalized."""
+    toks = args.split()
+    if not toks:
+        raise ValueError("is empty; give at least `--speculative-algorithm DDTREE`")
+    for tok in toks:
+        if not _SAFE_TOKEN.match(tok):
+            raise ValueError(f"{tok!r} has characters the env file cannot carry safely "
+                             "(allowed: letters, digits and _ . / : , = + @ % -)")
+    if not toks[0].startswith("--"):
+        raise ValueError(f"must start with a flag (--...), got {toks[0]!r}")
+    flags: dict[str, str | None] = {}
+    last = None
+    for tok in toks:
+        if tok.startswith("--"):
+            name, eq, value = tok.partition("=")
+            if name in flags:
+                raise ValueError(f"gives {name} twice")
+            flags[name] = value if eq else None
+            last = None if eq else name
+        elif last is None:
+            raise ValueError(f"{tok!r} is not a flag and follows no flag that takes a value")
+        else:
+            flags[last] = tok
+            last = None
+    algo = flags.get("--speculative-algorithm")
+    if "--speculative-algorithm" not in flags or algo is None:
+        raise ValueError("must turn DDTREE on: `--speculative-algorithm DDTREE`")
+    if algo.upper() != "DDTREE":
+        raise ValueError(f"must say `--speculative-algorithm DDTREE`, got {algo!r} "
+                         "(the other states' flags are the ones captured on the host)")
+    known = sorted([*DDTREE_INT_FLAGS, *DDTREE_BOOL_FLAGS])
+    for name, value in flags.items():
+        if name.startswith("--speculative-ddtree-") and name not in known:
+            raise ValueError(f"unknown DDTREE flag {name} (known: {', '.join(known)})")
+        if name in DDTREE_BOOL_FLAGS and value is not None:
+            raise ValueError(f"{name} takes no value, got {value!r}")
+        if name in DDTREE_INT_FLAGS:
+            lo, hi = DDTREE_INT_FLAGS[name]
+            if value is None or not re.fullmatch(r"\d+", value) or int(value) < lo or (hi is not None and int(value) > hi):
+                rng = f"{lo}..{hi}" if hi is not None else f">= {lo}"
+                raise ValueError(f"{name} needs an integer {rng}, got {value!r}")
+    budget, width = flags.get("--speculative-ddtree-budget"), flags.get("--speculative-num-draft-tokens")
+    if budget is not None and width is not None and (not width.isdigit() or int(width) != int(budget) + 1):
+        raise ValueError(f"--speculative-num-draft-tokens is the DDTREE verify width and must be "
+                         f"--speculative-ddtree-budget + 1 = {int(budget) + 1}, got {width!r}")
+    return " ".join(toks)
+
+
+# -- the env file ------------------------------------------------------------------------------------
+def _unquote(value: str) -> str:
+    value = value.strip()
+    if len(value) >= 2 and value[0] == value[-1] and value[0] in "\"'":
+        inner = value[1:-1]
+        return re.sub(r"\\(.)", r"\1", inner) if value[0] == '"' else inner
+    return value
+
+
+def _logical_lines(text: str) -> list[str]:
+    out: list[str] = []
+    buf = ""
+    for line in text.splitlines():
+        if line.endswith("\\") and not line.lstrip().startswith(("#", ";")):
+            buf += line[:-1]
+            continue
+        out.append(buf + line)
+        buf = ""
+    if buf:
+        out.append(buf)
+    return out
+
+
+def parse_env(data: bytes | None) -> dict[str, str]:
+    """KEY=VALUE assignments of an env file, as systemd's EnvironmentFile= reads the common subset
+    (comments #/;, blank lines, "double" / 'single' quotes, backslash continuations). Later wins."""
+    if data is None:
+        return {}
+    out: dict[str, str] = {}
+    for line in _logical_lines(data.decode("utf-8", "replace")):
+        s = line.strip()
+        if not s or s[0] in "#;" or "=" not in s:
+            continue
+        key, _, value = s.partition("=")
+        key = key.strip().removeprefix("export ").strip()
+        out[key] = _unquote(value)
+    return out
+
+
+def algorithm_of(args: str | None) -> str:
+    """The --speculative-algorithm of a flag string (the last one wins, as with argparse), upper
+    case; NONE when there is none (no speculative decoding: SGLang reports null)."""
+    algo = None
+    toks = (args or "").split()
+    for i, tok in enumerate(toks):
+        if tok == "--speculative-algorithm" and i + 1 < len(toks):
+            algo = toks[i + 1]
+        elif tok.startswith("--speculative-algorithm="):
+            algo = tok.split("=", 1)[1]
+    return (algo or NO_ALGORITHM).upper()
+
+
+def _assigns(line: str, variable: str) -> bool:
+    return re.match(rf"^\s*(export\s+)?{re.escape(variable)}\s*=", line) is not None
+
+
+def render_env(current: bytes | None, variable: str, args: str) -> bytes:
+    """`current` with `variable` set to `args` (its first assignment replaced in place, later ones
+    dropped, the marker comment above it), every other line kept; idempotent."""
+    try:
+        text = "" if current is None else current.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError("the env file is not UTF-8 text; refusing to rewrite it") from None
+    marker = MARKER.format(variable=variable).splitlines()
+    lines = [ln for ln in text.splitlines() if ln not in marker]
+    assignment = f'{variable}="{args}"'
+    out: list[str] = []
+    placed = False
+    for ln in lines:
+        if not _assigns(ln, variable):
+            out.append(ln)
+            continue
+        value = ln.split("=", 1)[1].strip()
+        if ln.endswith("\\") or (value[:1] in "\"'" and (len(value) < 2 or value[-1] != value[0])):
+            raise ValueError(f"{variable} spans several lines in the env file; make it one line to let the tool manage it")
+        if not placed:
+            out += [*marker, assignment]
+            placed = True
+    if not placed:
+        out += [*marker, assignment]
+    return ("\n".join(out) + "\n").encode()
+
+
+def build_has_ddtree(build: BuildInfo) -> bool:
+    """The build adds the DDTREE algorithm (its spec_info.py defines the enum member)."""
+    if SPEC_INFO not in build.files:
+        return False
+    text = build.path_of(SPEC_INFO).read_text(encoding="utf-8", errors="replace")
+    return re.search(r"^\s+DDTREE\s*=", text, re.MULTILINE) is not None
+
+
+def _sha(data: bytes | None) -> str | None:
+    return hashlib.sha256(data).hexdigest() if data is not None else None
+
+
+def read_host_file(t: Transport, path: str) -> bytes | None:
+    from deploy.agent_client import call_agent
+
+    r = call_agent(t, "read", {"path": path}, 60)
+    return base64.b64decode(r["b64"]) if r["exists"] else None
+
+
+# -- one transition's change of the env file ----------------------------------------------------------
+@dataclass
+class EnvChange:
+    """The env file before (on the host now) and after the transition."""
+
+    path: str
+    variable: str
+    before: bytes | None
+    after: bytes | None
+    drifted: bool = False  # the host's file differs from what the current state's record says
+    pristine_sha256: str | None = None
+    _local: list = field(default_factory=list, repr=False)  # temp dir of the upload
+
+    @property
+    def before_sha256(self) -> str | None:
+        return _sha(self.before)
+
+    @property
+    def after_sha256(self) -> str | None:
+        return _sha(self.after)
+
+    @property
+    def unchanged(self) -> bool:
+        return self.before == self.after
+
+    @property
+    def before_args(self) -> str | None:
+        return parse_env(self.before).get(self.variable)
+
+    @property
+    def after_args(self) -> str | None:
+        return parse_env(self.after).get(self.variable)
+
+    @property
+    def expect_before(self) -> str:
+        return algorithm_of(self.before_args)
+
+    @property
+    def expect_after(self) -> str:
+        return algorithm_of(self.after_args)
+
+    def record(self) -> dict:
+        """The release record's `launch` entry: both sides of the transition."""
+        return {"env_file": self.path, "variable": self.variable,
+                "args": self.after_args, "expect_algorithm": self.expect_after, "sha256": self.after_sha256,
+                "previous_args": self.before_args, "previous_expect_algorithm": self.expect_before,
+                "previous_sha256": self.before_sha256}
+
+    def to_json(self) -> dict:
+        return dict(self.record(), changed=not self.unchanged, drifted=self.drifted)
+
+    def summary(self) -> str:
+        if self.unchanged:
+            return (f"launch flags unchanged: {self.path} {self.variable}={self.after_args or '(unset)'} "
+                    f"(health expects {self.expect_after})")
+        return (f"launch flags: {self.path} {self.variable}: {self.before_args or '(unset)'} -> "
+                f"{self.after_args or '(unset)'}" + ("" if self.after is not None else " (file removed)")
+                + f"; health expects {self.expect_after} (after an automatic rollback: {self.expect_before})")
+
+    def diff(self) -> str:
+        old = (self.before or b"").decode("utf-8", "replace").splitlines(True)
+        new = (self.after or b"").decode("utf-8", "replace").splitlines(True)
+        a = f"a{self.path}" if self.before is not None else "/dev/null"
+        b = f"b{self.path}" if self.after is not None else "/dev/null"
+        return "".join(difflib.unified_diff(old, new, a, b))
+
+    def local_file(self):
+        """The rendered file on this machine, for the upload (removed by cleanup())."""
+        import tempfile
+        from pathlib import Path
+
+        d = tempfile.TemporaryDirectory(prefix="ddtree-launch-")
+        self._local.append(d)
+        p = Path(d.name) / "env"
+        p.write_bytes(self.after or b"")
+        return p
+
+    def cleanup(self) -> None:
+        while self._local:
+            self._local.pop().cleanup()
+
+    # push: the env file joins the release
+    def add_to_push(self, record: dict, targets: dict, uploads: dict, release_dir: str) -> None:
+        if self.after is None:  # a build without DDTREE on a host without the file: keep it absent
+            targets[self.path] = {"src": None, "sha256": None}
+        else:
+            targets[self.path] = {"src": f"{release_dir}/files/{store_rel(self.path)}", "sha256": self.after_sha256}
+            uploads[self.path] = self.local_file()
+        record["files"][self.path] = self.after_sha256
+        record["pristine"][self.path] = self.pristine_sha256
+        record["launch"] = self.record()
+
+
+def unchanged(change: EnvChange | None) -> bool:
+    return change is None or change.unchanged
+
+
+def for_push(t: Transport, build: BuildInfo, current: dict | None, releases: list[dict]) -> EnvChange | None:
+    """What a push of `build` does to the host's env file; None without [hosts.<name>.launch]."""
+    h = t.host
+    lc = h.launch
+    if lc is None:
+        return None
+    before = read_host_file(t, lc.env_file)
+    after = before
+    if build_has_ddtree(build):
+        try:
+            after = render_env(before, lc.variable, lc.ddtree_args)
+        except ValueError as exc:
+            raise RemoteRefused(f"{h.name}: {lc.env_file}: {exc} (nothing changed)") from None
+    elif algorithm_of(parse_env(before).get(lc.variable)) == "DDTREE":
+        raise RemoteRefused(f"{h.name}: build {build.build_id} has no DDTREE but {lc.env_file} turns DDTREE on; "
+                            f"refusing (roll back first: `ddtree-deploy rollback {h.name} --to pristine`)")
+    files = (current or {}).get("files") or {}
+    drifted = lc.env_file in files and files[lc.env_file] != _sha(before)
+    pristine = _sha(before)  # first seen now: what the file was before the tool managed it
+    for rec in sorted(releases, key=lambda r: r.get("id", "")):
+        if lc.env_file in (rec.get("pristine") or {}):
+            pristine = rec["pristine"][lc.env_file]
+            break
+    return EnvChange(lc.env_file, lc.variable, before, after, drifted=drifted, pristine_sha256=pristine)
+
+
+def for_rollback(t: Transport, records: dict[str, dict], targets: dict[str, dict]) -> EnvChange | None:
+    """The env file a rollback puts back (an absolute target), read from its source on the host; when
+    the rollback does not touch it but the inventory declares one, the live file (unchanged)."""
+    h = t.host
+    paths = sorted(r for r in targets if r.startswith("/"))
+    if not paths:
+        if h.launch is None:
+            return None
+        live = read_host_file(t, h.launch.env_file)
+        return EnvChange(h.launch.env_file, h.launch.variable, live, live)
+    path = h.launch.env_file if h.launch is not None and h.launch.env_file in paths else paths[0]
+    variable = h.launch.variable if h.launch is not None and h.launch.env_file == path else DEFAULT_VARIABLE
+    for rec in sorted(records.values(), key=lambda r: r.get("id", ""), reverse=True):
+        if (rec.get("launch") or {}).get("env_file") == path:
+            variable = rec["launch"].get("variable") or variable
+            break
+    src = targets[path]["src"]
+    after = read_host_file(t, src) if src else None
+    return EnvChange(path, variable, read_host_file(t, path), after)
+
+
+def live(t: Transport) -> dict | None:
+    """`status`: the env file's flags now and the algorithm the service runs with at its next start."""
+    lc = t.host.launch
+    if lc is None:
+        return None
+    data = read_host_file(t, lc.env_file)
+    args = parse_env(data).get(lc.variable)
+    return {"env_file": lc.env_file, "variable": lc.variable, "exists": data is not None, "args": args,
+            "expect_algorithm": algorithm_of(args), "sha256": _sha(data)}
