@@ -346,7 +346,7 @@ def status(
         raw0 = host_state(t)
         out["unfinished"] = raw0.get("unfinished") or []
         rec_files = (raw0.get("current") or {}).get("files") or {}
-        got = call_agent(t, "hashes", {"root": raw0["sglang_dir"], "files": sorted(rec_files)}, 120)["files"] if rec_files else {}
+        got = call_agent(t, "hashes", {"sglang_dir": raw0["sglang_dir"], "files": sorted(rec_files)}, 120)["files"] if rec_files else {}
         out["verify"] = {rel: ("ok" if got.get(rel) == sha else ("missing" if got.get(rel) is None and sha else "changed"))
                          for rel, sha in sorted(rec_files.items())}
         out["lock_holder"] = (dict(raw0["lock"], alive=host_lock.holder_status(raw0["lock"])) if raw0.get("lock") else None)

@@ -218,6 +218,10 @@ def op_facts(p):
 
 
 def op_hashes(p):
+    """sha256 of each file: with `sglang_dir`, the live targets (an absolute one at its own path);
+    with `root`, the copies in a store (pristine/, a release's files/ or backup/: @abs/<path>)."""
+    if "sglang_dir" in p:
+        return {"files": {rel: _sha_or_none(_dest(p["sglang_dir"], rel)) for rel in p["files"]}}
     return {"files": {rel: _sha_or_none(_store(p["root"], rel)) for rel in p["files"]}}
 
 
