@@ -207,6 +207,7 @@ def test_systemd_push_turns_ddtree_on_and_rollback_restores_flags(lbed, builds, 
     assert (h.state / "pristine" / "@abs" / env_file.relative_to("/")).read_bytes() == pristine_env
     st = status("ct-launch", lenv)
     assert st["healthy"] and st["launch"]["expect_algorithm"] == "DDTREE" and st["speculative_algorithm"] == "DDTREE"
+    assert st["verify"][str(env_file)] == "ok" and all(v == "ok" for v in st["verify"].values()), st["verify"]
     again = run_cli(["push", "ct-launch", "--build", str(good.root), "--json"], lenv)
     assert again.returncode == 0 and "nothing to do" in results(again)["ct-launch"]["message"], again.stderr
 
@@ -274,3 +275,41 @@ def test_supervisord_auto_rollback_and_rollback_restore_env_file(lbed, builds, l
     st = status("gpu-launch", lenv)
     assert st["healthy"] and st["speculative_algorithm"] is None
     assert json.loads((h.state / "current.json").read_text())["state"] == "pristine"
+
+
+@pytest.mark.ssh
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_dead_push_with_launch_finished_by_next_command(lbed, builds, lenv):
+    """systemd shim, the journal: a DDTREE push whose CLI is SIGKILLed (the faulty transport double)
+    right after the swap, and after the first health poll (the service already restarted with the
+    DDTREE flags), is finished by the next command (`status`): the env file is restored byte for byte
+    with the package files in the same transition, the `.new`/`.old` temp files beside it are gone,
+    and the service is healthy with the previous flags' algorithm (DFLASH)."""
+    h, env_file, good = lbed["ct-launch"], lbed["env"]["ct-launch"], builds["good"]
+    if (h.state / "current.json").exists():  # after the other tests: back to the state before the tool came
+        r = run_cli(["rollback", "ct-launch", "--to", "pristine"], lenv)
+        assert r.returncode == 0, r.stderr
+    before_tree, before_env = tb.tree_digest(h.sglang), env_bytes(env_file)
+    assert launch.algorithm_of(launch.parse_env(before_env).get("SGLANG_SPEC_ARGS")) == "DFLASH"
+    for point in ("apply#1", "http#1"):
+        r = run_cli(["push", "ct-launch", "--build", str(good.root), "--json"], dict(lenv, DDTREE_TEST_FAULT=f"kill@{point}"))
+        assert r.returncode == -9, (point, r.returncode, r.stderr[-1500:])
+        assert env_bytes(env_file) == launch.render_env(before_env, "SGLANG_SPEC_ARGS", DDTREE_ARGS), point  # swapped
+        rid = sorted(os.listdir(h.state / "releases"))[-1]
+        st = run_cli(["status", "ct-launch", "--json"], lenv)
+        assert st.returncode == 0, (point, st.stderr[-2000:])
+        s = json.loads(st.stdout)
+        assert s["recovered"] and not s["unfinished"] and s["healthy"], (point, s)
+        assert s["speculative_algorithm"] == "DFLASH" and s["launch"]["expect_algorithm"] == "DFLASH", (point, s)
+        assert env_bytes(env_file) == before_env and tb.tree_digest(h.sglang) == before_tree, point
+        assert not [p.name for p in env_file.parent.iterdir() if ".ddtree-" in p.name], point
+        assert server_info(h)["speculative_algorithm"] == "DFLASH"
+        journal = [json.loads(x) for x in (h.state / "releases" / rid / "journal.jsonl").read_text().splitlines()]
+        assert journal[-1]["step"] == "rolled-back", (point, journal)
+        assert {e.get("file") for e in journal if e["step"] == "swapping"} >= {str(env_file)}, journal
+        assert {e.get("file") for e in journal if e["step"] == "restoring"} >= {str(env_file)}, journal
+        rec = json.loads((h.state / "releases" / rid / "release.json").read_text())
+        assert rec["outcome"] == "rolled-back" and rec["launch"]["previous_expect_algorithm"] == "DFLASH", rec
+        assert rec["health_after_rollback"]["ok"] and rec["health_after_rollback"]["algorithm"] == "DFLASH", rec
+        assert json.loads((h.state / "current.json").read_text())["state"] == "pristine"
