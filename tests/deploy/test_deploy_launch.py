@@ -296,7 +296,7 @@ def test_dead_push_with_launch_finished_by_next_command(lbed, builds, lenv):
         r = run_cli(["push", "ct-launch", "--build", str(good.root), "--json"], dict(lenv, DDTREE_TEST_FAULT=f"kill@{point}"))
         assert r.returncode == -9, (point, r.returncode, r.stderr[-1500:])
         assert env_bytes(env_file) == launch.render_env(before_env, "SGLANG_SPEC_ARGS", DDTREE_ARGS), point  # swapped
-        rid = sorted(os.listdir(h.state / "releases"))[-1]
+        rid = max(os.listdir(h.state / "releases"))
         st = run_cli(["status", "ct-launch", "--json"], lenv)
         assert st.returncode == 0, (point, st.stderr[-2000:])
         s = json.loads(st.stdout)
