@@ -1405,7 +1405,7 @@ if triton is not None:
         for start in range(0, V, BLOCK):
             cols = start + offs
             s = tl.load(x_row + cols, mask=cols < V, other=NEG).to(tl.float32)
-            s = s / temp + 0.0
+            s = tl.math.div_rn(s, temp) + 0.0  # IEEE: the s of torch
             arg_v = tl.where(s > m_v, cols, arg_v)
             m_new = tl.maximum(m_v, s)
             shift = tl.where(m_new > NEG, m_new, 0.0)  # lanes still all -inf add 0
@@ -1445,7 +1445,7 @@ if triton is not None:
             for start in range(0, V, SBLOCK):
                 cols = start + soffs
                 s = tl.load(x_row + cols, mask=cols < V, other=NEG).to(tl.float32)
-                s = s / temp + 0.0
+                s = tl.math.div_rn(s, temp) + 0.0  # IEEE: the s of torch
                 key = _key_of(s)
                 prob = tl.exp(s - lse)
                 gt = key[:, None] > piv[None, :]
@@ -1473,7 +1473,7 @@ if triton is not None:
             for start in range(0, V, BLOCK):
                 cols = start + offs
                 s = tl.load(x_row + cols, mask=cols < V, other=NEG).to(tl.float32)
-                s = s / temp + 0.0
+                s = tl.math.div_rn(s, temp) + 0.0  # IEEE: the s of torch
                 keep = (s >= thr) & (cols < V)
                 if tl.max(keep.to(tl.int32), axis=0) > 0:
                     r0, r1, _, _ = tl.randint4x(seed, cols)
