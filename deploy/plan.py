@@ -10,7 +10,7 @@ from deploy import launch
 from deploy.agent_client import call_agent
 from deploy.buildinfo import BuildInfo
 from deploy.errors import RemoteRefused
-from deploy.facts import CURRENT, DRIFTED, MISSING, HostFacts
+from deploy.facts import CURRENT, HostFacts
 from deploy.restart import commands
 from deploy.transport import Transport
 
@@ -42,7 +42,7 @@ def make_plan(t: Transport, build: BuildInfo, facts: HostFacts, *, force: bool =
         p.refusals.append(exc.message)
     if facts.version != build.sglang_version:
         p.refusals.append(f"remote SGLang {facts.version} != build {build.sglang_version}")
-    bad = [f.relpath for f in facts.files if f.status in (DRIFTED, MISSING)] + ([p.env.path] if p.env and p.env.drifted else [])
+    bad = [f.relpath for f in facts.drifted] + ([p.env.path] if p.env and p.env.drifted else [])
     if bad and not force:
         p.refusals.append("drifted/missing files (use --force): " + ", ".join(bad))
     if facts.lock:
