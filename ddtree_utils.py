@@ -1369,6 +1369,13 @@ if triton is not None:
         return tl.where(b >= 0, b, b ^ 0x7FFFFFFF)
 
     @triton.jit
+    def _load_scaled(x_row, cols, V, temp):
+        """s = logits / temperature of the columns `cols` (-inf past V), -0.0 as +0.0; IEEE
+        division (tl.math.div_rn) so that s, and a threshold taken from it, equal torch's x / temp."""
+        s = tl.load(x_row + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+        return tl.math.div_rn(s, temp) + 0.0
+
+    @triton.jit
     def _value_of(k):
         b = tl.where(k >= 0, k, k ^ 0x7FFFFFFF)
         return b.to(tl.float32, bitcast=True)
@@ -1404,8 +1411,7 @@ if triton is not None:
         arg_v = tl.full([BLOCK], V, tl.int32)
         for start in range(0, V, BLOCK):
             cols = start + offs
-            s = tl.load(x_row + cols, mask=cols < V, other=NEG).to(tl.float32)
-            s = tl.math.div_rn(s, temp) + 0.0  # IEEE: the s of torch
+            s = _load_scaled(x_row, cols, V, temp)
             arg_v = tl.where(s > m_v, cols, arg_v)
             m_new = tl.maximum(m_v, s)
             shift = tl.where(m_new > NEG, m_new, 0.0)  # lanes still all -inf add 0
@@ -1444,8 +1450,7 @@ if triton is not None:
             m_gt = tl.zeros([NP], tl.float64)
             for start in range(0, V, SBLOCK):
                 cols = start + soffs
-                s = tl.load(x_row + cols, mask=cols < V, other=NEG).to(tl.float32)
-                s = tl.math.div_rn(s, temp) + 0.0  # IEEE: the s of torch
+                s = _load_scaled(x_row, cols, V, temp)
                 key = _key_of(s)
                 prob = tl.exp(s - lse)
                 gt = key[:, None] > piv[None, :]
@@ -1472,8 +1477,7 @@ if triton is not None:
             seed = tl.load(seed_ptr) + row
             for start in range(0, V, BLOCK):
                 cols = start + offs
-                s = tl.load(x_row + cols, mask=cols < V, other=NEG).to(tl.float32)
-                s = tl.math.div_rn(s, temp) + 0.0  # IEEE: the s of torch
+                s = _load_scaled(x_row, cols, V, temp)
                 keep = (s >= thr) & (cols < V)
                 if tl.max(keep.to(tl.int32), axis=0) > 0:
                     r0, r1, _, _ = tl.randint4x(seed, cols)
