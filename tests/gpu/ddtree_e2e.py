@@ -238,14 +238,16 @@ def mixed_batch(
     }
 
 
-def mixed_batch_check(port: int, prompts: list[list[int]], max_new: int, reference: list[list[int]]) -> dict:
+def mixed_batch_check(
+    port: int, prompts: list[list[int]], max_new: int, reference: list[list[int]], timeout: float = 120
+) -> dict:
     """Greedy and sampled (T 0.7, top-p 0.9, no top-k) requests in one batch: the server must
     answer (upstream DFLASH hung here, patch 0008) and greedy rows must equal greedy-only."""
     greedy_sp = {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}
     sampled_sp = {"max_new_tokens": max_new, "temperature": 0.7, "top_p": 0.9, "ignore_eos": True}
     params = [greedy_sp if i % 2 == 0 else sampled_sp for i in range(len(prompts))]
     try:
-        code, outs = post(port, "/generate", {"input_ids": prompts, "sampling_params": params}, timeout=120)
+        code, outs = post(port, "/generate", {"input_ids": prompts, "sampling_params": params}, timeout=timeout)
     except OSError as e:  # a hang shows up as a timeout
         return {"mixed_batch_served": False, "mixed_batch_error": repr(e)}
     if code != 200:
@@ -370,8 +372,9 @@ def run_config(
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,
-        env=dict(os.environ, **cfg.env),
+        env=dict(os.environ, PYTHONFAULTHANDLER="1", **cfg.env),
     )
+    SERVERS.append(proc)
     try:
         while True:
             if proc.poll() is not None:
@@ -386,24 +389,31 @@ def run_config(
             except OSError:
                 time.sleep(1)
         rec["startup_s"] = round(time.time() - t0, 1)
+        _phase(cfg, "greedy")
         t1 = time.time()
         outs = greedy(port, prompts, max_new)
         rec["gen_s"] = round(time.time() - t1, 2)
         rec["outputs"] = [o["output_ids"] for o in outs]
         rec["accept_len"] = [o["meta_info"].get("spec_accept_length") for o in outs]
         conc, stop = stress_requests(vocab)
+        _phase(cfg, "concurrent + stop")
         rec["concurrent_outputs"] = concurrent(port, conc, 300)
         rec["stop_outputs"] = concurrent(port, stop, 300)
         if cfg.kind == "dflash" or cfg.extras_checks:
+            _phase(cfg, "mixed batch (one request per prompt)")
             rec["mixed"] = mixed_batch(port, prompts, max_new, mixed_timeout)
         if cfg.extras_checks:
+            _phase(cfg, "extra checks")
             rec["checks"] = extra_checks(
                 cfg, port, prompts, max_new, rec["outputs"], vocab
             )
         if cfg.kind == "dflash" or cfg.extras_checks:
+            _phase(cfg, "mixed batch (one batched request)")
             rec.setdefault("checks", {}).update(
-                mixed_batch_check(port, prompts, max_new, rec["outputs"])
+                mixed_batch_check(port, prompts, max_new, rec["outputs"], mixed_timeout)
             )
+            if not rec["checks"].get("mixed_batch_served"):
+                dump_stacks(proc)
     except Exception as e:  # noqa: BLE001 - any failure is recorded in the summary
         rec["error"] = repr(e)
     finally:
@@ -418,6 +428,25 @@ def run_config(
             rec["round_host_sync_sites"] = [
                 " | ".join(lines[max(0, i - 1) : i + 2])[:300] for i in hits[:8]
             ]
+
+
+SERVERS: list[subprocess.Popen] = []  # every server started, so a deadline can stop them all
+
+
+def _phase(cfg: Config, what: str) -> None:
+    """Say which step a config is in (a hang then names its step), and keep it in the record."""
+    cfg.result["phase"] = what
+    print(f"  {cfg.name}: {what}", flush=True)
+
+
+def dump_stacks(proc: subprocess.Popen) -> None:
+    """A server that stopped answering: SIGABRT its process group, so that faulthandler
+    (PYTHONFAULTHANDLER=1) writes every process's Python stack into the server log."""
+    try:
+        os.killpg(proc.pid, signal.SIGABRT)
+        time.sleep(3)
+    except ProcessLookupError:
+        pass
 
 
 def stop_server(proc: subprocess.Popen) -> None:
@@ -550,6 +579,12 @@ def main() -> int:
     ap.add_argument("--vocab", type=int, default=DEFAULT_VOCAB)
     ap.add_argument("--pin", default="0.5.13.post1", choices=sorted(COMMON_ARGS_BY_PIN))
     ap.add_argument("--mixed-timeout", type=float, default=120)
+    ap.add_argument(
+        "--deadline",
+        type=float,
+        default=0,
+        help="seconds; when reached, write the table with what finished (the rest: unfinished) and stop",
+    )
     a = ap.parse_args()
 
     os.makedirs(a.out, exist_ok=True)
@@ -599,14 +634,22 @@ def main() -> int:
         if cfg is first_fi:
             fi_ready.set()
 
+    t_start = time.time()
     threads = []
     for i, cfg in enumerate(order):
-        t = threading.Thread(target=worker, args=(cfg, a.port + i))
+        t = threading.Thread(target=worker, args=(cfg, a.port + i), daemon=True)
         t.start()
         threads.append(t)
         time.sleep(0.5)
     for t in threads:
-        t.join()
+        left = None if not a.deadline else max(0.0, a.deadline - (time.time() - t_start))
+        t.join(left)
+    unfinished = [c for c, t in zip(order, threads) if t.is_alive()]
+    for c in unfinished:  # a record taken now, before the servers are stopped below
+        c.result["error"] = f"unfinished at the deadline (in: {c.result.get('phase', 'startup')})"
+    if unfinished:
+        for proc in SERVERS:
+            stop_server(proc)
 
     compare(configs)
     summary = {c.name: dict(c.result, passed=passed(c)) for c in configs}
