@@ -113,14 +113,18 @@ def table(res: list, bss: list) -> str:
     return "\n".join(rows)
 
 
-_PHASE_RE = re.compile(r"DDTREE phase ms bs=(\d+) \(GPU, mean of (\d+) rounds\): (\{.*\})")
+_PHASE_RE = re.compile(
+    r"DDTREE phase ms bs=(\d+) \(mean of (\d+) rounds\): GPU (\{.*?\}) host (\{.*\})"
+)
+_PHASES = ("draft+tree", "mask", "verify", "accept", "kv_move", "commit")
 
 
 def phase_table(out: str, names: list) -> str:
-    """Last logged per-phase GPU means of each DDTREE server, per batch size."""
-    rows = ["| config | batch | rounds | " + " | ".join(
-        ("draft+tree", "mask", "verify", "accept", "kv_move", "commit", "sum")) + " |",
-        "|---" * 10 + "|"]
+    """Last logged per-phase means of each DDTREE server, per batch size: GPU time between the
+    phase's CUDA events, and host time (Python issuing the phase) in brackets. A GPU phase
+    much longer than its work with a host phase as long is the GPU waiting for the host."""
+    rows = ["| config | batch | rounds | " + " | ".join(_PHASES + ("sum",)) + " |",
+            "|---" * 10 + "|"]
     for name in names:
         path = os.path.join(out, f"rc-{name}.log")
         if not name.startswith("ddtree") or not os.path.exists(path):
@@ -130,12 +134,14 @@ def phase_table(out: str, names: list) -> str:
             for line in f:
                 m = _PHASE_RE.search(line)
                 if m:
-                    last[int(m.group(1))] = (int(m.group(2)), json.loads(m.group(3)))
+                    last[int(m.group(1))] = (
+                        int(m.group(2)), json.loads(m.group(3)), json.loads(m.group(4))
+                    )
         for bs in sorted(last):
-            rounds, ph = last[bs]
-            vals = list(ph.values())
-            rows.append(f"| {name} | {bs} | {rounds} | " + " | ".join(f"{v:.3f}" for v in vals)
-                        + f" | {sum(vals):.3f} |")
+            rounds, gpu, host = last[bs]
+            cells = [f"{gpu.get(p, 0):.3f} ({host.get(p, 0):.3f})" for p in _PHASES]
+            rows.append(f"| {name} | {bs} | {rounds} | " + " | ".join(cells)
+                        + f" | {sum(gpu.values()):.3f} ({sum(host.values()):.3f}) |")
     return "\n".join(rows)
 
 

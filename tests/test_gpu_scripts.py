@@ -22,3 +22,32 @@ def test_run_on_device_without_gpu_folder_says_what_is_missing(tmp_path):
     assert f"missing {root}/.gpu/wheelhouse/sglang-site.tar.xz" in proc.stderr
     assert "carry" in proc.stderr
     assert not out.exists()  # nothing written before the check
+
+
+def _load_round_cost():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "round_cost", Path(__file__).parents[1] / "bench" / "round_cost.py"
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_round_cost_phase_table_reads_the_workers_gpu_and_host_line(tmp_path):
+    """bench/round_cost.py parses the line DDTreePhaseTimer (0.5.16 patch 0004) logs; the
+    format string is taken from the patch itself so the two cannot drift apart."""
+    import json
+
+    rc = _load_round_cost()
+    patch = (Path(__file__).parents[1] / "patches" / "0.5.16" / "0004-ddtree-worker-v2.patch").read_text()
+    fmt = next(ln for ln in patch.splitlines() if "DDTREE phase ms bs=" in ln).strip("+ ").strip('",')
+    gpu = {p: 1.0 + i for i, p in enumerate(rc._PHASES)}
+    host = {p: 0.5 for p in rc._PHASES}
+    line = fmt % (4, 50, json.dumps(gpu), json.dumps(host))
+    (tmp_path / "rc-ddtree_b15.log").write_text(f"[2026-12-04 00:00:00] {line}\n")
+    table = rc.phase_table(str(tmp_path), ["ddtree_b15", "dflash"])
+    row = next(r for r in table.splitlines() if r.startswith("| ddtree_b15 | 4 | 50 |"))
+    assert "3.000 (0.500)" in row  # verify: GPU 3.0, host 0.5
+    assert row.endswith(f"| {sum(gpu.values()):.3f} ({sum(host.values()):.3f}) |")
