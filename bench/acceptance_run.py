@@ -44,6 +44,14 @@ from deploy import bench as B  # noqa: E402
 COMMON = ("--skip-tokenizer-init --sampling-backend pytorch --disable-piecewise-cuda-graph "
           "--grammar-backend none --mem-fraction-static 0.85 --max-total-tokens 65536 --cuda-graph-max-bs 32 "
           "--max-running-requests 32 --random-seed 0")
+# Per pin: 0.5.16 runs the v2 worker with the overlap scheduler on (its default) and names its
+# graph flags differently (tests/gpu/ddtree_e2e.py uses the same split).
+COMMON_BY_PIN = {
+    "0.5.13.post1": COMMON,
+    "0.5.16": ("--skip-tokenizer-init --sampling-backend pytorch --cuda-graph-backend-prefill disabled "
+               "--grammar-backend none --mem-fraction-static 0.85 --max-total-tokens 65536 "
+               "--cuda-graph-max-bs-decode 32 --max-running-requests 32 --random-seed 0"),
+}
 
 
 def log(msg: str) -> None:
@@ -177,13 +185,17 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--requests", type=int, default=None, help="requests per level (default max(8, 2 x concurrency))")
     ap.add_argument("--backend", default="triton")
-    ap.add_argument("--common", default=COMMON)
+    ap.add_argument("--pin", default="0.5.13.post1", choices=sorted(COMMON_BY_PIN),
+                    help="the SGLang version installed (picks the common server flags)")
+    ap.add_argument("--common", default=None, help="common server flags (default: the pin's)")
     ap.add_argument("--port-base", type=int, default=31000)
     ap.add_argument("--dtype", default="bfloat16", help="server dtype; float32 separates numerics from bugs in the greedy check")
     ap.add_argument("--exactness-only", action="store_true",
                     help="greedy equality check only (no timing levels); e.g. with --dtype float32 --pair DIR")
     ap.add_argument("--budget-s", type=float, default=540.0, help="whole-run deadline; levels left are skipped")
     a = ap.parse_args()
+    if a.common is None:
+        a.common = COMMON_BY_PIN[a.pin]
     t_start = time.time()
     deadline = t_start + a.budget_s
     a.out.mkdir(parents=True, exist_ok=True)
