@@ -59,7 +59,7 @@ def _env(cli_env, inv, **kw):
     return dict(cli_env, DDTREE_DEPLOY_HOSTS=str(inv), **kw)
 
 
-def check_host(h, env, allowed: dict[str, dict], build_of: dict[str, str]) -> tuple[str, dict]:
+def check_host(h, env, allowed: dict[str, dict], build_of: dict[str, str] | None) -> tuple[str, dict]:
     """After the next command: which allowed tree the host has; status agrees; journal/lock clean."""
     st = run_cli(["status", "ct200", "--json"], env)
     s = json.loads(st.stdout)
@@ -73,8 +73,9 @@ def check_host(h, env, allowed: dict[str, dict], build_of: dict[str, str]) -> tu
     assert not (h.state / "lock").exists()
     for rid, j in journals(h).items():
         assert j[-1]["step"] in TERMINAL, (rid, j)
-    rec = json.loads((h.state / "releases" / s["current"]["release"] / "release.json").read_text()) if s["current"].get("release") else {}
-    assert rec.get("build_id") == build_of[which], (which, s["current"], rec.get("build_id"))
+    if build_of is not None:  # (a rollback's record names no build: the caller checks its state)
+        rec = json.loads((h.state / "releases" / s["current"]["release"] / "release.json").read_text()) if s["current"].get("release") else {}
+        assert rec.get("build_id") == build_of[which], (which, s["current"], rec.get("build_id"))
     return which, s
 
 
@@ -199,6 +200,104 @@ def test_signals_stop_at_a_safe_point(setup, cli_env, site_cache, tmp_path):
     assert tb.tree_digest(h.sglang) == before and not (h.state / "lock").exists()
     j = journals(h)  # no new transition, or one that ended aborted (the prune may have removed older failed ones)
     assert all(j[rid][-1]["step"] == "aborted" for rid in set(j) - rels_before), j
+
+
+def _release(h, rid: str) -> dict:
+    return json.loads((h.state / "releases" / rid / "release.json").read_text())
+
+
+def test_reboot_of_the_control_machine(setup, cli_env, site_cache, tmp_path):
+    """A push SIGKILLed at a step (after the stage, mid-swap, after the swap, during the health gate),
+    then the control machine "reboots" before the next command: the processes are gone, its boot id
+    is new (a bind mount over /proc/sys/kernel/random/boot_id in a private mount namespace), its pids
+    start over (the killed push ran in a PID namespace; after the reboot another process has its pid)
+    and its local records (DDTREE_DEPLOY_STATE) are lost. The next `status` alone must find the dead
+    run's transition in the host's journal, take its lock over and finish it (roll back: none of these
+    steps reached healthy); then a `push` or `rollback` works as usual. Each ends with the host byte
+    for byte at a known build, every journal terminal, the lock free."""
+    import signal
+    import subprocess
+
+    from deploy_cli import CLI
+
+    h, inv, (a, b) = setup
+    env = _env(cli_env, inv)
+    local = Path(env["DDTREE_DEPLOY_STATE"])
+    tb.reset_host(h, a, site_cache)
+    pristine = tb.tree_digest(h.sglang)
+    trees = {a.build_id: expected_after(pristine, a), b.build_id: expected_after(pristine, b)}
+    builds = {a.build_id: a, b.build_id: b}
+    for x in (a, b):  # b's release records a as its previous state: something for `rollback` to go back to
+        r = run_cli(["push", "ct200", "--build", str(x.root)], env)
+        assert r.returncode == 0, r.stderr
+    boot = tmp_path / "boot_id"
+    boot.write_text("00000000-0000-4000-8000-00000000b007\n")
+
+    def reboot_and_run(out: Path, holder_pid: int, cmds: list[str]) -> None:
+        """After the "reboot": a fresh PID namespace whose pids are taken until `holder_pid` is alive
+        again, the new boot id, no local records; then `cmds` (CLI argument strings), each's JSON in
+        out/<k>.json, stderr in out/<k>.err, exit code in out/<k>.rc."""
+        shutil.rmtree(local, ignore_errors=True)
+        out.mkdir()
+        runs = "\n".join(f"{CLI} {c} --json > {out}/{k}.json 2> {out}/{k}.err; echo $? > {out}/{k}.rc" for k, c in enumerate(cmds))
+        assert holder_pid < 100, holder_pid  # a pid of the killed run's PID namespace (0: none)
+        script = f"""
+            while :; do sleep 600 & [ $! -ge {holder_pid} ] && break; done
+            [ -d /proc/{holder_pid} ] && echo yes > {out}/pid-reused
+            mount --bind {boot} /proc/sys/kernel/random/boot_id || exit 99
+            {runs}
+            """
+        p = subprocess.run(["unshare", "--mount", "--propagation", "private", "--pid", "--fork", "--mount-proc", "sh", "-c", script],
+                           check=False, env=env, capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stderr
+
+    cur = b
+    t0 = time.monotonic()
+    for n, point in enumerate(("stage#1", "mid-swap", "apply#1", "http#1")):
+        nxt = a if cur is b else b
+        before = set(journals(h))
+        if point == "mid-swap":  # a real SIGKILL from outside once the host journals the first rename
+            p = subprocess.Popen([str(CLI), "push", "ct200", "--build", str(nxt.root)], env=env,
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            _wait_for(lambda before=before: "swapping" in _last_steps(h, before), p)
+            p.send_signal(signal.SIGKILL)
+            p.communicate(timeout=60)
+            assert p.returncode == -9
+        else:  # the faulty transport double SIGKILLs the push right after that operation, in a PID namespace
+            # (under sh as its init: the namespace's init cannot SIGKILL itself)
+            rcf = tmp_path / f"kill-{n}.rc"
+            k = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "sh", "-c",
+                                f"{CLI} push ct200 --build {nxt.root}; echo $? > {rcf}"],
+                               check=False, env=_env(cli_env, inv, DDTREE_TEST_FAULT=f"kill@{point}"), capture_output=True, text=True, timeout=600)
+            assert rcf.read_text().strip() == "137", (point, rcf.read_text(), k.stderr[-1500:])
+        holder = json.loads((h.state / "lock" / "owner.json").read_text())  # the dead run's lock is still there
+        steps = _last_steps(h, before)
+        assert steps and steps[-1] not in TERMINAL, (point, steps)
+        # the next command: status (finishes the transition), then push the other build or roll back
+        cmd = f"push ct200 --build {nxt.root}" if n % 2 == 0 else "rollback ct200"
+        out = tmp_path / f"{n}-{point.replace('#', '-')}"
+        reboot_and_run(out, 0 if point == "mid-swap" else int(holder["pid"]), ["status ct200", cmd])
+        rc = [int((out / f"{k}.rc").read_text()) for k in (0, 1)]
+        st = json.loads((out / "0.json").read_text())
+        assert rc[0] == 0 and st["healthy"] and not st["unfinished"], (point, (out / "0.err").read_text()[-2000:])
+        notes = " ".join(st["recovered"])
+        finished = "had not touched the files: marked aborted" if point == "stage#1" else "rolled back to"
+        assert "took over the stale lock" in notes and "(dead)" in notes and finished in notes, (point, st["recovered"])
+        assert point == "mid-swap" or (out / "pid-reused").exists(), (point, holder["pid"])  # the reboot reused the dead pid
+        # the next command ran as usual and left what it says
+        res = json.loads((out / "1.json").read_text())["results"][0]
+        assert rc[1] == 0 and res["ok"] and res["changed"] and not res["extra"]["recovered"], (point, cmd, res)
+        if cmd.startswith("push"):
+            want, build_of = nxt, {x: x for x in trees}
+        else:  # back to the state recorded before the current release
+            want, build_of = builds[_release(h, _release(h, st["current"]["state"])["previous"])["build_id"]], None
+        cur = want
+        which, _ = check_host(h, env, {want.build_id: trees[want.build_id], "other": trees[(a if want is b else b).build_id]}, build_of)
+        assert which == want.build_id, (point, cmd, which)
+        # the lost local records start again: the recovery and the next command are recorded
+        local_recs = [json.loads(x) for x in (local / "ct200.jsonl").read_text().splitlines()]
+        assert [r["action"] for r in local_recs][:2] == ["recover", cmd.split()[0]], local_recs
+    print(f"4 reboots in {time.monotonic() - t0:.0f}s")
 
 
 DIGEST = "import json, sys; from pathlib import Path; import deploy_testbed as tb; print(json.dumps(tb.tree_digest(Path(sys.argv[1]))))"
