@@ -382,7 +382,9 @@ def test_enospc_at_each_step(bed, builds, site_cache, cli_env, tmp_path):
 def test_state_dir_enospc_at_each_step(bed, builds, site_cache, cli_env, tmp_path):
     """The `local` host's state dir (journal, releases, backups, uploads, lock) on a small tmpfs in
     a private mount namespace. Too small from the start: the preflight refuses, nothing written.
-    Then at each step of a push (up to the unlock) the faulty transport double fills it. After the
+    Then at one step of each kind of write a push makes (lock, backups, uploads, the swap's journal
+    and current.json, `restarting`, the health gate, after the healthy record) the faulty transport
+    double fills it. After the
     push, a `status` while the disk is still full, and (space freed) a `status` that finishes what
     the push left: the package is byte for byte pristine or the new build, status healthy and
     agreeing, every journal terminal, the lock free, no temp file in the state dir; the push's exit
