@@ -47,11 +47,16 @@ def _read_json(path):
 def _write_json(path, data):
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = "%s.tmp-%d" % (path, os.getpid())
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(data, f, indent=2, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError:  # ENOSPC, ...: the old file stays as it was, no temp file is left behind
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+        raise
 
 
 TERMINAL = ("healthy", "rolled-back", "aborted")
@@ -73,10 +78,19 @@ def _journal(state, rid, step, **info):
     path = os.path.join(d, "journal.jsonl")
     new = not os.path.exists(path)
     line = json.dumps(dict(info, step=step, time=time.time()), sort_keys=True) + "\n"
-    with open(path, "a") as f:
-        f.write(line)
-        f.flush()
-        os.fsync(f.fileno())
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        size = os.fstat(fd).st_size
+        try:
+            data = line.encode()
+            while data:
+                data = data[os.write(fd, data):]
+            os.fsync(fd)
+        except OSError:  # ENOSPC: cut a torn line off, or the next step's line would be glued to it
+            os.ftruncate(fd, size)
+            raise
+    finally:
+        os.close(fd)
     if new:
         _fsync_dir(d)
 
@@ -229,14 +243,21 @@ def op_lock(p):
     state = p["state_dir"]
     os.makedirs(state, exist_ok=True)
     lock = os.path.join(state, "lock")
+    made = False
     try:
         os.mkdir(lock)  # atomic: exactly one deploy wins
+        made = True
     except FileExistsError:
         holder = _read_json(os.path.join(lock, "owner.json")) or {"owner": "?"}
         if not p.get("take_over") or holder.get("token") != p["take_over"]:
             return {"acquired": False, "holder": holder}
         # the holder is known dead (checked by the caller against this exact token): take its lock over
-    _write_json(os.path.join(lock, "owner.json"), dict(p["owner"], remote_time=time.time()))
+    try:
+        _write_json(os.path.join(lock, "owner.json"), dict(p["owner"], remote_time=time.time()))
+    except OSError:  # ENOSPC on the state dir: leave no ownerless lock behind (a take-over keeps the old owner)
+        if made:
+            shutil.rmtree(lock, ignore_errors=True)
+        raise
     return {"acquired": True}
 
 
