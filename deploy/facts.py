@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from deploy.agent_client import call_agent
-from deploy.buildinfo import BuildInfo
-from deploy.errors import RemoteRefused
-from deploy.transport import Transport
+from .agent_client import call_agent
+from .buildinfo import BuildInfo
+from .errors import RemoteRefused
+from .transport import Transport
 
 PRISTINE, DEPLOYED, CURRENT, DRIFTED, MISSING = "pristine", "deployed", "current", "drifted", "missing"
 

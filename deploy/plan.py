@@ -6,13 +6,13 @@ import base64
 import difflib
 from dataclasses import dataclass, field
 
-from deploy import launch
-from deploy.agent_client import call_agent
-from deploy.buildinfo import BuildInfo
-from deploy.errors import RemoteRefused
-from deploy.facts import CURRENT, HostFacts
-from deploy.restart import commands
-from deploy.transport import Transport
+from . import launch
+from .agent_client import call_agent
+from .buildinfo import BuildInfo
+from .errors import RemoteRefused
+from .facts import CURRENT, HostFacts
+from .restart import commands
+from .transport import Transport
 
 
 @dataclass

@@ -20,10 +20,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from deploy import health, launch, lock, pins, records, restart
-from deploy.agent_client import call_agent
-from deploy.buildinfo import BuildInfo
-from deploy.errors import (
+from . import health, launch, lock, pins, records, restart
+from .agent_client import call_agent
+from .buildinfo import BuildInfo
+from .errors import (
     EXIT_FAILED,
     EXIT_OK,
     EXIT_ROLLBACK_FAILED,
@@ -33,10 +33,10 @@ from deploy.errors import (
     RemoteRefused,
     RollbackFailed,
 )
-from deploy.facts import HostFacts, gather, require_version
-from deploy.inventory import Host, Inventory
-from deploy.launch import store_rel
-from deploy.transport import Transport, TransportLost, connect
+from .facts import HostFacts, gather, require_version
+from .inventory import Host, Inventory
+from .launch import store_rel
+from .transport import Transport, TransportLost, connect
 
 PRISTINE = "pristine"
 OUTCOME_BY_CODE = {1: "failed-rolled-back", 2: "config-error", 5: "unreachable", 6: "refused", 7: "rollback-failed",
