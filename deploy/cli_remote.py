@@ -312,7 +312,7 @@ def plan(
     for i, s in enumerate(p.steps, 1):
         console.print(f"  {i:2}. {s}", markup=False)
     for r in p.refusals:
-        warn(f"push would be refused: {r}")
+        warn(f"push would be refused: {r.message}")
     if json_out:
         emit_json(dict(p.to_json(), recovered=notes))
 
