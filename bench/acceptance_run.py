@@ -39,7 +39,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from deploy import bench as B  # noqa: E402
+from ddtree_deploy.deploy import bench as B  # noqa: E402
 
 COMMON = ("--skip-tokenizer-init --sampling-backend pytorch --disable-piecewise-cuda-graph "
           "--grammar-backend none --mem-fraction-static 0.85 --max-total-tokens 65536 --cuda-graph-max-bs 32 "

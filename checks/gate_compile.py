@@ -8,7 +8,7 @@ import os
 import shutil
 import subprocess
 
-from checks.base import FAIL, PASS, Context, GateResult, Step
+from .base import FAIL, PASS, Context, GateResult, Step
 
 NUMBER, NAME = 4, "py_compile"
 

@@ -15,9 +15,9 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from checks.base import FAIL, PASS, Context, GateResult, Step
-from deploy.errors import ConfigError
-from deploy.series import run_git
+from ..deploy.errors import ConfigError
+from ..deploy.series import run_git
+from .base import FAIL, PASS, Context, GateResult, Step
 
 NUMBER, NAME = 5, "lint (changed lines)"
 _HUNK_RE = re.compile(r"^@@ -\d+(?:,\d+)? \+(\d+)(?:,(\d+))? @@", re.MULTILINE)

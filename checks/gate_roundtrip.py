@@ -6,11 +6,11 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from checks.base import FAIL, PASS, Context, GateResult, Step
-from deploy import snapshot as snap
-from deploy.build import prepare, tree_files
-from deploy.buildinfo import METADATA_NAMES, sha256_file
-from deploy.series import SHIPPED_UTILS, apply_series
+from ..deploy import snapshot as snap
+from ..deploy.build import prepare, tree_files
+from ..deploy.buildinfo import METADATA_NAMES, sha256_file
+from ..deploy.series import SHIPPED_UTILS, apply_series
+from .base import FAIL, PASS, Context, GateResult, Step
 
 NUMBER, NAME = 3, "round trip"
 

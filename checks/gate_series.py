@@ -6,9 +6,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from checks.base import PASS, Context, GateResult, Step
-from deploy.build import assemble, prepare
-from deploy.series import patch_files
+from ..deploy.build import assemble, prepare
+from ..deploy.series import patch_files
+from .base import PASS, Context, GateResult, Step
 
 NUMBER, NAME = 2, "series"
 

@@ -1,7 +1,7 @@
 """Gate 6: import and behaviour smoke of the patched modules against the real sglang package of
 the build's pin.
 
-Runs `<python> -m checks.sglang_smoke --build <build>` (written with the patch series; exit 0 ok,
+Runs `<python> <repo>/checks/sglang_smoke.py --build <build>` (written with the patch series; exit 0 ok,
 1 failure, 77 skipped when no sglang test environment of that version exists) with the pin's
 sglang site first on PYTHONPATH when it has one (deploy.pins.sglang_env: `<venv>/sglang-sites/<V>/`,
 installed by scripts/install_sglang_env.sh). Skipped when that module is absent.
@@ -9,8 +9,8 @@ installed by scripts/install_sglang_env.sh). Skipped when that module is absent.
 
 from __future__ import annotations
 
-from checks.base import FAIL, PASS, SKIP, Context, GateResult, Step
-from deploy.pins import sglang_env
+from ..deploy.pins import sglang_env
+from .base import FAIL, PASS, SKIP, Context, GateResult, Step
 
 NUMBER, NAME = 6, "sglang smoke"
 SKIPPED_RC = 77
@@ -29,7 +29,7 @@ def run(ctx: Context, step: Step) -> GateResult:
     n = sum(1 for r, f in info.files.items() if f.sha256 != f.pristine_sha256)
     step(f"importing the patched modules with the real sglang {info.sglang_version}")
     env = sglang_env(info.sglang_version, ctx.python)
-    proc = ctx.run_python("-m", "checks.sglang_smoke", "--build", str(info.root), env=env)
+    proc = ctx.run_python(str(module), "--build", str(info.root), env=env)
     if proc is None:
         return GateResult(NUMBER, NAME, FAIL, n, f"timed out after {ctx.timeout_s:.0f} s")
     out = proc.stdout + proc.stderr

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from checks.base import FAIL, PASS, Context, GateResult, Step
-from deploy import snapshot as snap
+from ..deploy import snapshot as snap
+from .base import FAIL, PASS, Context, GateResult, Step
 
 NUMBER, NAME = 1, "snapshot"
 

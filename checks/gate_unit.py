@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 
-from checks.base import FAIL, PASS, SKIP, Context, GateResult, Step
+from .base import FAIL, PASS, SKIP, Context, GateResult, Step
 
 NUMBER, NAME = 7, "ddtree_utils tests"
 

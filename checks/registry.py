@@ -7,7 +7,9 @@ import time
 import traceback
 from collections.abc import Callable
 
-from checks import (
+from ..deploy.buildinfo import GATES_RECORD, load_build, record_verdict
+from ..deploy.errors import DDTreeDeployError, UsageError
+from . import (
     gate_compile,
     gate_lint,
     gate_roundtrip,
@@ -16,9 +18,7 @@ from checks import (
     gate_snapshot,
     gate_unit,
 )
-from checks.base import FAIL, Context, GateResult, Step
-from deploy.buildinfo import GATES_RECORD, load_build, record_verdict
-from deploy.errors import DDTreeDeployError, UsageError
+from .base import FAIL, Context, GateResult, Step
 
 GATES = (gate_snapshot, gate_series, gate_roundtrip, gate_compile, gate_lint, gate_smoke, gate_unit)
 

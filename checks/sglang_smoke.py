@@ -1,6 +1,6 @@
 """Gate 6: smoke-test a build against the real, installed sglang package.
 
-    python -m checks.sglang_smoke --build build/sglang-0.5.13.post1
+    python checks/sglang_smoke.py --build build/sglang-0.5.13.post1
 
 Exit codes: 0 passed, 1 a check failed, 2 bad arguments (no such build), 77 skipped (no sglang
 installed in this Python, or one of another version than the build's pin: gate 6 puts the pin's
@@ -317,7 +317,7 @@ def probe_main(build_dir: Path, overlay_root: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m checks.sglang_smoke", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python checks/sglang_smoke.py", description=__doc__.splitlines()[0])
     ap.add_argument("--build", type=Path, required=True, help="the build dir (build/sglang-<version>)")
     ap.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--overlay", type=Path, help=argparse.SUPPRESS)

@@ -8,8 +8,8 @@ import shlex
 from functools import lru_cache
 from pathlib import Path
 
-from deploy.errors import ConfigError, DDTreeDeployError
-from deploy.transport import Transport
+from .errors import ConfigError, DDTreeDeployError
+from .transport import Transport
 
 MARK = "@@ddtree-agent@@"
 

@@ -16,8 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from deploy import snapshot as snap
-from deploy.buildinfo import (
+from . import snapshot as snap
+from .buildinfo import (
     MANIFEST_NAME,
     METADATA_NAMES,
     BuildFile,
@@ -25,8 +25,8 @@ from deploy.buildinfo import (
     compute_build_id,
     sha256_file,
 )
-from deploy.errors import ConfigError
-from deploy.series import (
+from .errors import ConfigError
+from .series import (
     SHIPPED_UTILS,
     Entry,
     Series,

@@ -12,9 +12,9 @@ import sys
 
 import typer
 
-from deploy.errors import DDTreeDeployError
-from deploy import ui
-from deploy.ui import emit_json, error
+from .errors import DDTreeDeployError
+from . import ui
+from .ui import emit_json, error
 
 app = typer.Typer(
     name="ddtree-deploy",
@@ -27,12 +27,12 @@ app = typer.Typer(
 
 def _register() -> None:
     # Imported for their side effect of adding commands to `app`.
-    import deploy.cli_build  # noqa: F401
-    import deploy.cli_bench  # noqa: F401
+    from . import cli_build  # noqa: F401
+    from . import cli_bench  # noqa: F401
     try:
-        import deploy.cli_remote  # noqa: F401
+        from . import cli_remote  # noqa: F401
     except ModuleNotFoundError as exc:  # remote commands not built yet in this checkout
-        if exc.name != "deploy.cli_remote":
+        if exc.name != f"{__package__}.cli_remote":
             raise
 
 
@@ -43,7 +43,7 @@ def main() -> None:
     except DDTreeDeployError as exc:
         error(exc.message)
         if exc.detail:
-            from deploy.ui import console
+            from .ui import console
 
             console.print(exc.detail, markup=False, highlight=False)
         if "--json" in sys.argv[1:] and not ui.json_written:

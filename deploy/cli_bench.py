@@ -22,10 +22,10 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from deploy import bench as B
-from deploy.cli import app
-from deploy.errors import EXIT_FAILED, DDTreeDeployError, RemoteUnreachable, UsageError
-from deploy.ui import console, emit_json, ok, warn
+from . import bench as B
+from .cli import app
+from .errors import EXIT_FAILED, DDTreeDeployError, RemoteUnreachable, UsageError
+from .ui import console, emit_json, ok, warn
 
 
 def _free_port() -> int:
@@ -52,8 +52,8 @@ def _reach(target: str, inventory: Path | None):
     if target.startswith(("http://", "https://")):
         yield target.rstrip("/")
         return
-    from deploy.inventory import load_inventory
-    from deploy.transport import connect
+    from .inventory import load_inventory
+    from .transport import connect
 
     inv = load_inventory(inventory)
     host = inv.get(target)

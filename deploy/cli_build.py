@@ -26,24 +26,24 @@ from rich.progress import (
 from rich.table import Table
 from rich.text import Text
 
-from checks import gate_unit
-from checks.base import FAIL, PASS, SKIP, Context, GateResult
-from checks.registry import record_gates, run_gates, select
-from deploy import pins as pins_mod
-from deploy import snapshot as snap
-from deploy.build import BUILD_ROOT, DDTREE_UTILS, PATCHES_ROOT, build
-from deploy.cli import app
-from deploy.errors import DDTreeDeployError, GateFailed, SnapshotError, UsageError
-from deploy.pins import Pin
-from deploy.refresh import refresh as refresh_patch
-from deploy.series import (
+from ..checks import gate_unit
+from ..checks.base import FAIL, PASS, SKIP, Context, GateResult
+from ..checks.registry import record_gates, run_gates, select
+from . import pins as pins_mod
+from . import snapshot as snap
+from .build import BUILD_ROOT, DDTREE_UTILS, PATCHES_ROOT, build
+from .cli import app
+from .errors import DDTreeDeployError, GateFailed, SnapshotError, UsageError
+from .pins import Pin
+from .refresh import refresh as refresh_patch
+from .series import (
     check_header,
     load_series,
     parse_header,
     patch_files,
     split_header,
 )
-from deploy.ui import console, emit_json, error, ok, warn
+from .ui import console, emit_json, error, ok, warn
 
 snapshot_app = typer.Typer(help="Check or re-import the vendored upstream SGLang files.", no_args_is_help=True)
 app.add_typer(snapshot_app, name="snapshot")

@@ -29,12 +29,12 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from deploy import health, launch, restart
-from deploy import lock as host_lock
-from deploy.agent_client import call_agent
-from deploy.buildinfo import MANIFEST_NAME, BuildInfo, gates_verdict, load_build
-from deploy.cli import app
-from deploy.errors import (
+from . import health, launch, restart
+from . import lock as host_lock
+from .agent_client import call_agent
+from .buildinfo import MANIFEST_NAME, BuildInfo, gates_verdict, load_build
+from .cli import app
+from .errors import (
     EXIT_OK,
     EXIT_SIGINT,
     EXIT_SIGTERM,
@@ -43,7 +43,7 @@ from deploy.errors import (
     RemoteRefused,
     RemoteUnreachable,
 )
-from deploy.facts import (
+from .facts import (
     CURRENT,
     DEPLOYED,
     DRIFTED,
@@ -52,12 +52,12 @@ from deploy.facts import (
     gather,
     host_state,
 )
-from deploy.inventory import Host, Inventory, load_inventory
-from deploy.pins import BuildChoice, build_for_host
-from deploy.plan import add_diffs, make_plan
-from deploy.releases import STOP, Events, Outcome, recover_host, run_host
-from deploy.transport import connect
-from deploy.ui import console, emit_json, ok, warn
+from .inventory import Host, Inventory, load_inventory
+from .pins import BuildChoice, build_for_host
+from .plan import add_diffs, make_plan
+from .releases import STOP, Events, Outcome, recover_host, run_host
+from .transport import connect
+from .ui import console, emit_json, ok, warn
 
 # No --build: each host gets the build of the pin matching its SGLang (deploy.pins), from here.
 BUILD_ROOT = Path(os.environ.get("DDTREE_DEPLOY_BUILD_ROOT") or Path(__file__).resolve().parent.parent / "build")
@@ -312,7 +312,7 @@ def plan(
     for i, s in enumerate(p.steps, 1):
         console.print(f"  {i:2}. {s}", markup=False)
     for r in p.refusals:
-        warn(f"push would be refused: {r}")
+        warn(f"push would be refused: {r.message}")
     if json_out:
         emit_json(dict(p.to_json(), recovered=notes))
 

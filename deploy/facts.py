@@ -5,10 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from deploy.agent_client import call_agent
-from deploy.buildinfo import BuildInfo
-from deploy.errors import RemoteRefused
-from deploy.transport import Transport
+from .agent_client import call_agent
+from .buildinfo import BuildInfo
+from .transport import Transport
 
 PRISTINE, DEPLOYED, CURRENT, DRIFTED, MISSING = "pristine", "deployed", "current", "drifted", "missing"
 
@@ -98,7 +97,9 @@ def _agent_facts(t: Transport, files: list[str]) -> dict:
     return call_agent(t, "facts", {"sglang_dir": h.sglang_dir, "files": files, "state_dir": h.state_dir}, 120)
 
 
-def require_version(t: Transport, facts: HostFacts, build: BuildInfo) -> None:
-    if facts.version != build.sglang_version:
-        raise RemoteRefused(f"{t.label}: remote SGLang is {facts.version} at {facts.sglang_dir}, the build is for "
-                            f"{build.sglang_version}; refusing (install sglang=={build.sglang_version} there first)")
+def version_mismatch(t: Transport, facts: HostFacts, build: BuildInfo) -> str | None:
+    """Why push refuses the host's SGLang version for this build, or None."""
+    if facts.version == build.sglang_version:
+        return None
+    return (f"{t.label}: remote SGLang is {facts.version} at {facts.sglang_dir}, the build is for "
+            f"{build.sglang_version}; refusing (install sglang=={build.sglang_version} there first)")

@@ -9,9 +9,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from deploy import restart
-from deploy.agent_client import call_agent
-from deploy.transport import Transport
+from . import restart
+from .agent_client import call_agent
+from .transport import Transport
 
 TickFn = Callable[[float], None]  # called with the elapsed seconds while waiting
 INVENTORY = object()  # `expect` default: the inventory's health.expect_algorithm

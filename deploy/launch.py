@@ -35,11 +35,11 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from deploy.errors import RemoteRefused
+from .errors import RemoteRefused
 
 if TYPE_CHECKING:  # deploy.inventory imports this module for its validators: no cycle at run time
-    from deploy.buildinfo import BuildInfo
-    from deploy.transport import Transport
+    from .buildinfo import BuildInfo
+    from .transport import Transport
 
 DEFAULT_VARIABLE = "SGLANG_SPEC_ARGS"
 DEFAULT_DDTREE_ARGS = "--speculative-algorithm DDTREE --speculative-ddtree-budget 63"
@@ -225,7 +225,7 @@ def _sha(data: bytes | None) -> str | None:
 
 
 def read_host_file(t: Transport, path: str) -> bytes | None:
-    from deploy.agent_client import call_agent
+    from .agent_client import call_agent
 
     r = call_agent(t, "read", {"path": path}, 60)
     return base64.b64decode(r["b64"]) if r["exists"] else None

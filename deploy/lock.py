@@ -17,10 +17,10 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from deploy.agent_client import call_agent
-from deploy.errors import RemoteRefused, RemoteUnreachable
-from deploy.transport import Transport
-from deploy.ui import warn
+from .agent_client import call_agent
+from .errors import RemoteRefused, RemoteUnreachable
+from .transport import Transport
+from .ui import warn
 
 ALIVE, DEAD, UNKNOWN = "alive", "dead", "unknown"
 

@@ -22,11 +22,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from deploy.build import BUILD_ROOT, DDTREE_UTILS, PATCHES_ROOT, Inputs
-from deploy.buildinfo import MANIFEST_NAME, BuildInfo
-from deploy.errors import ConfigError, DDTreeDeployError, RemoteRefused, UsageError
-from deploy.series import load_series
-from deploy.snapshot import SNAPSHOT_ROOT, load_manifest
+from .build import BUILD_ROOT, DDTREE_UTILS, PATCHES_ROOT, Inputs
+from .buildinfo import MANIFEST_NAME, BuildInfo
+from .errors import ConfigError, DDTreeDeployError, RemoteRefused, UsageError
+from .series import load_series
+from .snapshot import SNAPSHOT_ROOT, load_manifest
 
 PREFIX = "sglang-"
 SITES_ENV = "DDTREE_SGLANG_SITES"
@@ -210,7 +210,7 @@ def build_for_host(t, build, *, missing_ok: bool = False) -> BuildInfo | None:
     when its version has no pin). `missing_ok`: None instead of an error (status)."""
     if not isinstance(build, BuildChoice):
         return build
-    from deploy.facts import host_state  # the remote machinery, only when a host is involved
+    from .facts import host_state  # the remote machinery, only when a host is involved
 
     try:
         return build.for_version(host_state(t)["version"], t.label)

@@ -18,17 +18,17 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from deploy.build import Inputs, Prepared, assemble, prepare, tree_files
-from deploy.buildinfo import MANIFEST_NAME, sha256_file
-from deploy.errors import ConfigError, DDTreeDeployError, UsageError
-from deploy.series import (
+from .build import Inputs, Prepared, assemble, prepare, tree_files
+from .buildinfo import MANIFEST_NAME, sha256_file
+from .errors import ConfigError, DDTreeDeployError, UsageError
+from .series import (
     SHIPPED_UTILS,
     apply_series,
     diff_file,
     patch_files,
     split_header,
 )
-from deploy.snapshot import check_relpath
+from .snapshot import check_relpath
 
 _LAST_UPDATE_RE = re.compile(r"^(Last-Update:[ \t]*).*$", re.M | re.I)
 

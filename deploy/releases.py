@@ -20,10 +20,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from deploy import health, launch, lock, pins, records, restart
-from deploy.agent_client import call_agent
-from deploy.buildinfo import BuildInfo
-from deploy.errors import (
+from . import health, launch, lock, pins, records, restart
+from .agent_client import call_agent
+from .buildinfo import BuildInfo
+from .errors import (
     EXIT_FAILED,
     EXIT_OK,
     EXIT_ROLLBACK_FAILED,
@@ -33,12 +33,12 @@ from deploy.errors import (
     RemoteRefused,
     RollbackFailed,
 )
-from deploy.facts import HostFacts, gather, require_version
-from deploy.inventory import Host, Inventory
-from deploy.launch import store_rel
-from deploy.transport import Transport, TransportLost, connect
+from .facts import HostFacts, gather
+from .inventory import Host, Inventory
+from .launch import store_rel
+from .plan import PRISTINE, make_plan
+from .transport import Transport, TransportLost, connect
 
-PRISTINE = "pristine"
 OUTCOME_BY_CODE = {1: "failed-rolled-back", 2: "config-error", 5: "unreachable", 6: "refused", 7: "rollback-failed",
                    8: "unfinished"}
 
@@ -332,42 +332,29 @@ class Releaser:
 
     # -- push ----------------------------------------------------------------------------------------
     def push(self, build: BuildInfo, *, force: bool = False, break_lock: bool = False) -> Outcome:
+        """What `plan` shows, from the same Plan (plan.make_plan): its refusals, then its operations."""
         name = self.h.name
         self.ev.step(name, "reading host facts")
         self.recover(break_lock=break_lock)
         facts = gather(self.t, build)
-        require_version(self.t, facts, build)
-        env = launch.for_push(self.t, build, facts.current, facts.releases)  # [launch]: the env file's change
-        if facts.up_to_date and launch.unchanged(env):
+        p = make_plan(self.t, build, facts, force=force)
+        p.refuse("version", "launch")
+        if p.noop:
             return Outcome(name, "push", True, EXIT_OK, f"already runs build {build.build_id}: nothing to do",
                            release=(facts.current or {}).get("release"))
-        drifted = [f"{f.relpath} ({f.status})" for f in facts.drifted] + ([f"{env.path} (drifted)"] if env and env.drifted else [])
-        if drifted and not force:
-            lst = ", ".join(drifted)
-            raise RemoteRefused(f"{name}: files changed outside this tool: {lst}; refusing "
-                                "(inspect with `ddtree-deploy plan --diff`, or --force to overwrite; the originals are backed up)")
-        low = space_shortfall(facts, build, self.h.min_free_mb)
-        if low:
-            raise RemoteRefused(f"{name}: not enough disk: {low}; nothing changed")
+        p.refuse("drift", "space")  # a held lock: lock.held below refuses (or --break-lock breaks it)
         if break_lock and facts.lock:
             holder = lock.break_lock(self.t)
             self.ev.step(name, f"broke the lock held by {lock.describe(holder or {})}")
         rid = new_release_id(build.build_id[:8])
         with lock.held(self.t, rid, "push"):
-            facts = gather(self.t, build)  # again, under the lock
-            env = launch.for_push(self.t, build, facts.current, facts.releases)
-            if facts.up_to_date and launch.unchanged(env):
+            p = make_plan(self.t, build, gather(self.t, build), force=force)  # again, under the lock
+            p.refuse("launch")
+            if p.noop:
                 return Outcome(name, "push", True, EXIT_OK, f"already runs build {build.build_id}: nothing to do")
-            cur = facts.current or {}
-            record = {"id": rid, "time": _now(), "action": "push", "build_id": build.build_id,
-                      "series_sha256": build.series_sha256, "patches": build.patches,
-                      "files": {r: f.sha256 for r, f in build.files.items()},
-                      "pristine": {r: f.pristine_sha256 for r, f in build.files.items()},
-                      "previous": cur.get("state") if cur.get("state") != PRISTINE else None}
-            targets = {r: {"src": f"{self._rdir(rid)}/files/{r}", "sha256": f.sha256} for r, f in build.files.items()}
-            uploads = {r: build.path_of(r) for r in build.files}
-            if env is not None:  # [launch]: the env file is one more file of this release
-                env.add_to_push(record, targets, uploads, self._rdir(rid))
+            facts, env = p.facts, p.env
+            record, targets, uploads = p.release(rid, self._rdir(rid), _now())
+            if env is not None:
                 self.expect = env.expect_after
             try:
                 out = self.transition(facts, rid, record, targets, uploads, new_state=rid)
@@ -457,18 +444,6 @@ class Releaser:
                 raise RemoteRefused(f"{self.h.name}: no pristine copy of {', '.join(bad)} on the host "
                                     "(it was drifted when first deployed); nothing changed")
         return out
-
-
-def space_shortfall(facts: HostFacts, build: BuildInfo, margin_mb: int) -> str | None:
-    """Free space a push needs, with `margin_mb` on top: the package filesystem holds the new files as
-    temp files beside their destinations (plus room to copy the backups back if a rollback cannot use
-    the hard links it keeps); the state filesystem holds the uploads and the backups."""
-    new = sum(f.size for f in build.files.values())
-    old = sum(f.remote_size for f in facts.files)
-    need = {"sglang": (new + old) // (1 << 20) + 1 + margin_mb, "state": (new + old) // (1 << 20) + 1 + margin_mb}
-    low = [f"{k} filesystem has {facts.free_mb.get(k)} MB free, needs {v} MB" for k, v in need.items()
-           if facts.free_mb.get(k, 0) < v]
-    return "; ".join(low) or None
 
 
 def run_host(host: Host, inventory: Inventory, action: str, events: Events | None = None, **kw) -> Outcome:

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from shlex import quote as q
 
-from deploy.inventory import (
+from .inventory import (
     CommandRestart,
     PidfileRestart,
     SupervisorRestart,
     SystemdRestart,
 )
-from deploy.transport import Transport
+from .transport import Transport
 
 LOG_LINES = 40
 

@@ -23,8 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from deploy.buildinfo import sha256_bytes, sha256_file
-from deploy.errors import ConfigError, SnapshotError, UsageError
+from .buildinfo import sha256_bytes, sha256_file
+from .errors import ConfigError, SnapshotError, UsageError
 
 PINNED_VERSION = "0.5.13.post1"
 MANIFEST = "MANIFEST.json"

@@ -5,6 +5,7 @@ console script in a subprocess (real exit codes)."""
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -17,6 +18,20 @@ if not torch.cuda.is_available():
 
 import pytest
 from foundation_support import UPSTREAM, Project, edit, udiff
+
+
+class _InstalledNamesOnly:
+    """The project's folders deploy/ and checks/ are the packages ddtree_deploy.deploy and
+    ddtree_deploy.checks; pytest runs in the repository root, where `import deploy` would load the
+    same files a second time as other modules (two copies of every class and global). Refuse it."""
+
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if name in ("deploy", "checks"):
+            raise ImportError(f"import ddtree_deploy.{name}, not {name} (the installed package name)", name=name)
+
+
+sys.meta_path.insert(0, _InstalledNamesOnly)
 
 
 @pytest.fixture
@@ -56,18 +71,17 @@ def patched_project(project: Project) -> Project:
 @pytest.fixture(scope="session")
 def cli():
     """Typer's CliRunner on the real app (commands registered once)."""
+    from ddtree_deploy.deploy import cli as deploy_cli
     from typer.testing import CliRunner
 
-    import deploy.cli
-
-    deploy.cli._register()
+    deploy_cli._register()
 
     class Runner:
         def __init__(self):
             self.runner = CliRunner()
 
         def __call__(self, *args: str):
-            return self.runner.invoke(deploy.cli.app, [str(a) for a in args])
+            return self.runner.invoke(deploy_cli.app, [str(a) for a in args])
 
     return Runner()
 

@@ -8,9 +8,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from foundation_support import REPO_ROOT, UPSTREAM, Project, edit, udiff
-
-from checks import (
+from ddtree_deploy.checks import (
     gate_compile,
     gate_lint,
     gate_roundtrip,
@@ -19,10 +17,11 @@ from checks import (
     gate_snapshot,
     gate_unit,
 )
-from checks.base import FAIL, PASS, SKIP, Context
-from checks.registry import GATES, run_gates, select
-from deploy.build import build, describe, prepare, write_manifest
-from deploy.errors import UsageError
+from ddtree_deploy.checks.base import FAIL, PASS, SKIP, Context
+from ddtree_deploy.checks.registry import GATES, run_gates, select
+from ddtree_deploy.deploy.build import build, describe, prepare, write_manifest
+from ddtree_deploy.deploy.errors import UsageError
+from foundation_support import REPO_ROOT, UPSTREAM, Project, edit, udiff
 
 MOD = "srt/speculative/mod.py"
 NOOP = lambda _msg: None  # noqa: E731 - progress sink
@@ -219,7 +218,7 @@ def test_a_crashing_gate_is_a_failure_not_an_abort(built):
 
 def test_real_repository_build_passes_structural_gates(tmp_path):
     """Gates 1-5 on a fresh build of the repository's own snapshot and series."""
-    from deploy.build import Inputs
+    from ddtree_deploy.deploy.build import Inputs
 
     ctx = Context(inputs=Inputs(build_root=tmp_path / "build"), repo_root=REPO_ROOT)
     build(ctx.inputs)

@@ -6,13 +6,17 @@ import datetime as dt
 import json
 
 import pytest
+from ddtree_deploy.deploy.build import build
+from ddtree_deploy.deploy.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, ConfigError
+from ddtree_deploy.deploy.refresh import refresh
+from ddtree_deploy.deploy.series import (
+    check_header,
+    load_series,
+    parse_header,
+    split_header,
+)
+from ddtree_deploy.deploy.snapshot import PINNED_VERSION
 from foundation_support import REPO_ROOT, UPSTREAM, edit, error_lines, udiff
-
-from deploy.build import build
-from deploy.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, ConfigError
-from deploy.refresh import refresh
-from deploy.series import check_header, load_series, parse_header, split_header
-from deploy.snapshot import PINNED_VERSION
 
 MOD = "srt/speculative/mod.py"
 FAST = ["--skip", "6", "--skip", "7"]  # gate 6 would run the real sglang smoke; gate 7 the repo's tests

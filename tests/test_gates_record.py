@@ -12,11 +12,10 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from checks.base import FAIL, PASS, SKIP, GateResult
-from checks.registry import GATES, record_gates
-from deploy.build import Inputs, build
-from deploy.buildinfo import GATES_RECORD, gates_verdict, load_build
+from ddtree_deploy.checks.base import FAIL, PASS, SKIP, GateResult
+from ddtree_deploy.checks.registry import GATES, record_gates
+from ddtree_deploy.deploy.build import Inputs, build
+from ddtree_deploy.deploy.buildinfo import GATES_RECORD, gates_verdict, load_build
 
 CLI = Path(sys.executable).parent / "ddtree-deploy"
 INVENTORY = """\
@@ -107,9 +106,9 @@ def test_push_of_a_gated_build_goes_on_to_the_host(fresh, tmp_path):
 
 
 def test_round_trip_and_smoke_file_set_ignore_the_record(fresh):
-    from checks import gate_roundtrip
-    from checks.base import Context
-    from checks.sglang_smoke import build_files
+    from ddtree_deploy.checks import gate_roundtrip
+    from ddtree_deploy.checks.base import Context
+    from ddtree_deploy.checks.sglang_smoke import build_files
 
     record_gates(fresh.root, results({n: PASS for n in range(1, 8)}))
     res = gate_roundtrip.run(Context(inputs=Inputs(build_root=fresh.root.parent)), lambda _m: None)

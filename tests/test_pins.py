@@ -11,13 +11,18 @@ import sys
 from pathlib import Path
 
 import pytest
+from ddtree_deploy.deploy import pins
+from ddtree_deploy.deploy.build import build
+from ddtree_deploy.deploy.buildinfo import GATES_RECORD, MANIFEST_NAME, load_build
+from ddtree_deploy.deploy.errors import (
+    EXIT_OK,
+    EXIT_SNAPSHOT,
+    EXIT_USAGE,
+    ConfigError,
+    UsageError,
+)
+from ddtree_deploy.deploy.series import load_series
 from foundation_support import REPO_ROOT, UPSTREAM, Project, edit, error_lines, udiff
-
-from deploy import pins
-from deploy.build import build
-from deploy.buildinfo import GATES_RECORD, MANIFEST_NAME, load_build
-from deploy.errors import EXIT_OK, EXIT_SNAPSHOT, EXIT_USAGE, ConfigError, UsageError
-from deploy.series import load_series
 
 MOD = "srt/speculative/mod.py"
 FAST = ["--skip", "6", "--skip", "7"]
@@ -166,8 +171,8 @@ def test_check_per_pin_names_the_failing_pin(two, ddtree):
 
 def test_gate_7_runs_once_for_every_pin(two, tmp_path):
     """The ddtree_utils tests do not depend on the pin: one pytest run, its result recorded per pin."""
-    from checks import registry
-    from deploy.cli_build import _gate_pins
+    from ddtree_deploy.checks import registry
+    from ddtree_deploy.deploy.cli_build import _gate_pins
 
     tests = tmp_path / "tests"
     tests.mkdir()
@@ -278,7 +283,7 @@ def test_gate_6_uses_the_sglang_of_the_pin(tmp_path, ddtree):
     """The repository's 0.5.16 pin (its series, or the snapshot alone while it is empty) is
     smoke-tested against the real sglang 0.5.16; the same build against the venv's sglang
     0.5.13.post1 is skipped with the reason, never passed."""
-    from checks import sglang_smoke
+    from ddtree_deploy.checks import sglang_smoke
 
     r = ddtree("patch", "--pin", "0.5.16", "--build-dir", str(tmp_path), "--skip", "7", "--json")
     assert r.returncode == EXIT_OK, r.stderr[-3000:]
@@ -288,7 +293,7 @@ def test_gate_6_uses_the_sglang_of_the_pin(tmp_path, ddtree):
     assert json.loads((bdir / MANIFEST_NAME).read_text())["sglang_version"] == "0.5.16"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONPATH"] = str(REPO_ROOT)  # the venv's own sglang (0.5.13.post1), not the pin's
-    proc = subprocess.run([sys.executable, "-m", "checks.sglang_smoke", "--build", str(bdir)], cwd=REPO_ROOT,
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "checks" / "sglang_smoke.py"), "--build", str(bdir)], cwd=REPO_ROOT,
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == sglang_smoke.SKIPPED, proc.stdout + proc.stderr[-2000:]
     assert "the build is for 0.5.16" in proc.stdout

@@ -11,9 +11,9 @@ from foundation_support import HEADER, REPO_ROOT, UPSTREAM, edit, udiff
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from deploy.errors import EXIT_PATCH, EXIT_USAGE, ConfigError, PatchApplyError
-from deploy.snapshot import PINNED_VERSION
-from deploy.series import (
+from ddtree_deploy.deploy.errors import EXIT_PATCH, EXIT_USAGE, ConfigError, PatchApplyError
+from ddtree_deploy.deploy.snapshot import PINNED_VERSION
+from ddtree_deploy.deploy.series import (
     apply_patch,
     check_header,
     diff_file,

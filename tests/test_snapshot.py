@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from foundation_support import REPO_ROOT, UPSTREAM, error_lines, sha
 
-from deploy import snapshot as snap
-from deploy.errors import EXIT_SNAPSHOT, EXIT_USAGE, ConfigError, SnapshotError, UsageError
+from ddtree_deploy.deploy import snapshot as snap
+from ddtree_deploy.deploy.errors import EXIT_SNAPSHOT, EXIT_USAGE, ConfigError, SnapshotError, UsageError
 
 REAL = snap.snapshot_dir_for(snap.PINNED_VERSION, REPO_ROOT / "snapshot")
 

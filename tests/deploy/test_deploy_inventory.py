@@ -8,9 +8,12 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from deploy.errors import EXIT_USAGE, ConfigError
-from deploy.inventory import PidfileRestart, SystemdRestart, load_inventory
+from ddtree_deploy.deploy.errors import EXIT_USAGE, ConfigError
+from ddtree_deploy.deploy.inventory import (
+    PidfileRestart,
+    SystemdRestart,
+    load_inventory,
+)
 
 GOOD = """\
 [hosts.bastion-gpu]

@@ -19,9 +19,8 @@ from pathlib import Path
 
 import deploy_testbed as tb
 import pytest
+from ddtree_deploy.deploy.buildinfo import sha256_file
 from deploy_cli import host_toml, run_cli
-
-from deploy.buildinfo import sha256_file
 
 pytestmark = [pytest.mark.ssh, pytest.mark.slow, pytest.mark.timeout(900)]
 TERMINAL = ("healthy", "rolled-back", "aborted")

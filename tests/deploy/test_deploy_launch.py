@@ -19,12 +19,11 @@ from pathlib import Path
 
 import deploy_testbed as tb
 import pytest
+from ddtree_deploy.deploy import launch
+from ddtree_deploy.deploy.buildinfo import sha256_file
+from ddtree_deploy.deploy.errors import ConfigError
+from ddtree_deploy.deploy.inventory import load_inventory
 from deploy_cli import VENV_BIN, host_toml, run_cli
-
-from deploy import launch
-from deploy.buildinfo import sha256_file
-from deploy.errors import ConfigError
-from deploy.inventory import load_inventory
 
 ENV_REL = "etc/sglang/ddtree.env"
 DDTREE_ARGS = "--speculative-algorithm DDTREE --speculative-ddtree-budget 7"

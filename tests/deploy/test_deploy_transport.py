@@ -8,11 +8,10 @@ import time
 from pathlib import Path
 
 import pytest
-
-from deploy.agent_client import call_agent
-from deploy.errors import RemoteUnreachable
-from deploy.inventory import load_inventory
-from deploy.transport import LocalTransport, connect, wrap
+from ddtree_deploy.deploy.agent_client import call_agent
+from ddtree_deploy.deploy.errors import RemoteUnreachable
+from ddtree_deploy.deploy.inventory import load_inventory
+from ddtree_deploy.deploy.transport import LocalTransport, connect, wrap
 
 
 def test_wrap_quotes_and_bounds_every_command():
@@ -79,7 +78,7 @@ def test_gateway_hop_is_strict_too(inv, bed, tmp_path):
 
 
 def test_local_transport_runs_with_env(tmp_path):
-    from deploy.inventory import Host
+    from ddtree_deploy.deploy.inventory import Host
 
     h = Host.model_validate({"name": "local", "python": "/usr/bin/python3", "env": {"GREETING": "hi there"},
                              "restart": {"strategy": "command", "start": "true", "stop": "true", "status": "true"}})
@@ -117,7 +116,7 @@ def test_inventory_gateway_reaches_the_namespace_host(bed, tmp_path):
 
 @pytest.mark.ssh
 def test_missing_service_python_is_a_config_error(bed, tmp_path):
-    from deploy.errors import ConfigError
+    from ddtree_deploy.deploy.errors import ConfigError
 
     inv = load_inventory(bed["inventory"])
     h = inv.get("ct200").model_copy(update={"python": "/nonexistent/bin/python"})

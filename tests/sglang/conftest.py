@@ -21,8 +21,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import pytest
-
-from checks.sglang_smoke import find_installed_sglang, make_overlay
+from ddtree_deploy.checks.sglang_smoke import find_installed_sglang, make_overlay
 
 HERE = Path(__file__).resolve().parent
 
@@ -51,7 +50,7 @@ def pytest_collection_modifyitems(items):
 
 
 def _assemble_build(dest: Path) -> Path:
-    from deploy import build as b
+    from ddtree_deploy.deploy import build as b
 
     b.assemble(b.prepare(b.Inputs()), dest)
     return dest

@@ -8,8 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-
-from checks.sglang_smoke import build_files, module_name
+from ddtree_deploy.checks.sglang_smoke import build_files, module_name
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -1,4 +1,4 @@
-"""Gate 6 (`python -m checks.sglang_smoke --build DIR`): passes on the real build, fails on a
+"""Gate 6 (`python checks/sglang_smoke.py --build DIR`): passes on the real build, fails on a
 build whose DDTREE validation is broken, and reports usage / skip with its documented codes."""
 
 from __future__ import annotations
@@ -9,15 +9,14 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from checks import sglang_smoke
-from deploy import buildinfo
+from ddtree_deploy.checks import sglang_smoke
+from ddtree_deploy.deploy import buildinfo
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def run_gate(build: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "checks.sglang_smoke", "--build", str(build)],
+    return subprocess.run([sys.executable, str(REPO / "checks" / "sglang_smoke.py"), "--build", str(build)],
                           cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
 
 

@@ -12,10 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from checks.sglang_smoke import make_overlay
-from deploy import build as b
-from deploy import pins
+from ddtree_deploy.checks.sglang_smoke import make_overlay
+from ddtree_deploy.deploy import build as b
+from ddtree_deploy.deploy import pins
 
 ROOT = Path(__file__).resolve().parents[2]
 SITE = pins.sglang_site("0.5.16")

@@ -31,8 +31,8 @@ def _label(script: str) -> str:
 
 
 def _install() -> None:
-    from deploy import transport as tr
-    from deploy.errors import RemoteUnreachable
+    from ddtree_deploy.deploy import transport as tr
+    from ddtree_deploy.deploy.errors import RemoteUnreachable
 
     counts: dict[str, int] = {}
     kind, _, point = (_SPEC or "").partition("@")
