@@ -39,7 +39,19 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from ddtree_deploy.deploy import bench as B  # noqa: E402
+try:
+    from ddtree_deploy.deploy import bench as B  # noqa: E402
+except ImportError:  # the GPU machine has the checkout, not the installed toolkit: map deploy/ itself
+    import importlib.util
+    import types
+
+    sys.modules.setdefault("ddtree_deploy", types.ModuleType("ddtree_deploy")).__path__ = []
+    _spec = importlib.util.spec_from_file_location(
+        "ddtree_deploy.deploy", ROOT / "deploy" / "__init__.py", submodule_search_locations=[str(ROOT / "deploy")]
+    )
+    sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(sys.modules[_spec.name])
+    from ddtree_deploy.deploy import bench as B  # noqa: E402
 
 COMMON = ("--skip-tokenizer-init --sampling-backend pytorch --disable-piecewise-cuda-graph "
           "--grammar-backend none --mem-fraction-static 0.85 --max-total-tokens 65536 --cuda-graph-max-bs 32 "
