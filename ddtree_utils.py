@@ -1451,7 +1451,7 @@ if triton is not None:
             peak64 = peak.to(tl.float64)
             pp64 = pp.to(tl.float64)
             n_hi = 0  # count strictly above hi (carried: hi only moves down)
-            m_hi = tl.zeros([], tl.float64)  # mass strictly above hi, unnormalised
+            m_hi = tl.full([], 0.0, tl.float64)  # mass strictly above hi, unnormalised
             z = tl.full([], 1.0, tl.float64)  # sum of exp(s - peak), float64 (first pass)
             while (inside > 0) & (passes < MAX_PASSES):
                 lo64 = lo.to(tl.int64)
@@ -1464,37 +1464,48 @@ if triton is not None:
                 # Tokens above hi count for every pivot (all <= hi) and are carried from the
                 # last pass; tokens below lo count for none. Only BLOCK steps holding a token
                 # in [lo, hi] (all of them in the first pass, which also sums z) redo their
-                # columns in SBLOCK sub-steps into [NP, SBLOCK] partials, reduced once.
+                # columns in SBLOCK sub-steps into [NP, SBLOCK] partials, reduced once. With
+                # SBLOCK == BLOCK (V <= 256) a step is its own sub-step: no band test, no
+                # re-read (the interpreter's cost is mostly nested jit calls and reductions).
                 first = passes == 0
-                a_n = tl.zeros([NP, SBLOCK], tl.int32)  # per column: #gt + 65536 * #eq
-                a_m = tl.zeros([NP, SBLOCK], tl.float64)
-                a_z = tl.zeros([SBLOCK], tl.float64)
+                a_n = tl.full([NP, SBLOCK], 0, tl.int32)  # per column: #gt + 65536 * #eq
+                a_m = tl.full([NP, SBLOCK], 0.0, tl.float64)
+                a_z = tl.full([SBLOCK], 0.0, tl.float64)
                 for start in range(0, V, BLOCK):
-                    key = _key_of(_load_scaled(x_row, start + offs, V, temp))
-                    band = (key >= lo) & (key <= hi)
-                    if first | (tl.max(band.to(tl.int32), axis=0) > 0):
+                    s = _load_scaled(x_row, start + offs, V, temp)  # [BLOCK]
+                    key = _key_of(s)
+                    go = passes >= 0
+                    if SBLOCK < BLOCK:
+                        band = (key >= lo) & (key <= hi)
+                        go = first | (tl.max(band.to(tl.int32), axis=0) > 0)
+                    if go:
                         for sub in range(0, BLOCK, SBLOCK):
-                            ss = _load_scaled(x_row, start + sub + soffs, V, temp)  # [SBLOCK]
-                            sk = _key_of(ss)
+                            if SBLOCK < BLOCK:
+                                ss = _load_scaled(x_row, start + sub + soffs, V, temp)
+                                sk = _key_of(ss)  # [SBLOCK]
+                            else:
+                                ss = s
+                                sk = key
                             e = tl.exp(ss.to(tl.float64) - peak64)  # 0 past V
                             a_z += e
                             kb = tl.where((sk >= lo) & (sk <= hi), sk, lo - 1)[None, :]
                             gt = kb > piv2  # lo - 1 (outside the band) counts for no pivot
                             a_n += tl.where(gt, 1, tl.where(kb == piv2, 65536, 0))
                             a_m += tl.where(gt, e[None, :], 0.0)
-                z = tl.where(first, tl.sum(a_z, axis=0), z)
+                if first:
+                    z = tl.sum(a_z, axis=0)
                 n_gt = n_hi + tl.sum(a_n & 65535, axis=1)  # [NP] count strictly above each
                 n_eq = tl.sum(a_n >> 16, axis=1)  # [NP] count equal to each pivot
                 m_gt = m_hi + tl.sum(a_m, axis=1)  # [NP] unnormalised mass strictly above
                 q = (n_gt < kk) & (m_gt / z < pp64)
                 q = (q & (c > 0)) | (c == NP - 1)
-                c_hi = tl.min(tl.where(q, c, NP), axis=0)  # q is monotone in c
                 new_lo = tl.max(tl.where(q, -2147483647 - 1, piv), axis=0)
                 new_hi = tl.min(tl.where(q, piv, 2147483647), axis=0)
                 gt_lo = tl.min(tl.where(q, 2147483647, n_gt), axis=0)
                 ge_hi = tl.max(tl.where(q, n_gt + n_eq, 0), axis=0)
-                n_hi = tl.sum(tl.where(c == c_hi, n_gt, 0), axis=0)
-                m_hi = tl.sum(tl.where(c == c_hi, m_gt, 0.0), axis=0)
+                # at new_hi: n_gt and m_gt fall with the pivot, so their largest over q
+                n_hi = tl.max(tl.where(q, n_gt, 0), axis=0)
+                m_hi = tl.max(tl.where(q, m_gt, 0.0), axis=0)
                 inside = gt_lo - ge_hi
                 lo = new_lo
                 hi = new_hi
@@ -1528,7 +1539,7 @@ if triton is not None:
 def _sample_blocks(vocab: int) -> tuple[int, int]:
     """``(BLOCK, SBLOCK)`` of the sampling kernel for ``V`` columns: the GPU configuration
     (1024, 256) from V = 1024 on, powers of two just covering V below it (the interpreter tests
-    use V = 5..40, where 1024-wide blocks were most of their time)."""
+    use V = 5..40; there SBLOCK == BLOCK, one level, no band test or re-read per step)."""
     block = min(_SAMPLE_BLOCK, max(16, 1 << (vocab - 1).bit_length()))
     return block, min(_SAMPLE_SBLOCK, block)
 
