@@ -1213,9 +1213,17 @@ def verify_sampling_reference(
 # and Q(hi) true, and each pass over the row evaluates Q at NP keys spread over [lo, hi]
 # (count and mass strictly above each), moving lo and hi to the tightest ones; it stops when no
 # token lies strictly between lo and hi, and then the kept set is {s >= hi} exactly. Each pass
-# shrinks hi - lo at least 15-fold, so at most ten passes, and usually two to six. The torch
-# path finds the same set with a 4-level 8-bit radix select on the keys (per-row histograms of
-# count and mass).
+# shrinks hi - lo at least 15-fold, so at most ten passes (eight on random float32 logits). A
+# pass streams the row in BLOCK steps: tokens above hi count for every key and were counted by
+# the last pass (hi only moves down), tokens below lo count for none, so only steps holding a
+# token in [lo, hi] (all of them in the first pass) redo their columns in SBLOCK sub-steps into
+# [NP, SBLOCK] per-column partials, reduced once per pass; rows without top-k / top-p skip the
+# search (and a launch known to have none compiles it out). Masses are float64 throughout,
+# exp(s - max) / sum with the sum taken in the first pass, as the dense reference's softmax:
+# the kept set is the float64 rule's, also for a top_p within float32 rounding of a token's
+# mass (a float32 logsumexp, as before, misjudged 10 to 13 of the tests' 24 such rows). The torch path
+# finds the same set with a 4-level 8-bit radix select on the keys (per-row histograms of count
+# and float64 mass).
 #
 # Sampling: Gumbel-max (exponential race) over the kept tokens, argmax of s_i - log(E_i) with
 # E_i = -log(u_i) and u_i a 53-bit uniform in (0, 1) (float64), which is an exact draw from the
@@ -1225,9 +1233,11 @@ def verify_sampling_reference(
 _SAMPLING_EPS = (
     1e-6  # SGLang's sampling_params._SAMPLING_EPS: temperature below it is greedy
 )
-_SAMPLE_BLOCK = 1024  # vocabulary columns per step of the linear passes (Triton)
-_SAMPLE_SBLOCK = 256  # columns per step of a search pass (x _SAMPLE_PIVOTS keys)
+_SAMPLE_BLOCK = 1024  # vocabulary columns per step of the linear passes (Triton, V >= 1024)
+_SAMPLE_SBLOCK = 256  # columns per per-pivot sub-step of a search pass (divides BLOCK)
 _SAMPLE_PIVOTS = 16  # keys evaluated per search pass (lo, hi and 14 between)
+_SAMPLE_WARPS = 4  # num_warps of the kernel with the search (also tests/triton_aot.py)
+_SAMPLE_WARPS_NO_SEARCH = 8  # num_warps of the kernel compiled without it (as before the rework)
 _SAMPLE_MAX_PASSES = 48  # guard only: a pass shrinks hi - lo >= 15-fold, 2**32 keys
 _TORCH_WORK_ELEMS = 1 << 20  # torch path: rows per chunk = this // V (at least one)
 
@@ -1304,9 +1314,11 @@ def _sample_rows_torch(
     s = x.float() / temp.view(r, 1)
     s.add_(0.0)  # -0.0 -> +0.0, so key order equals value order
     peak = s.amax(dim=1)
-    lse = torch.logsumexp(s, dim=1)
     key = _ordered_keys(s)  # [r, V] int32, signed order = value order
-    prob = (s.double() - lse.double().view(r, 1)).exp_()  # [r, V] float64
+    # float64 softmax as the dense reference's (exp(s - max) / sum): a float32 logsumexp moves
+    # every probability by up to ~1e-6 relative, enough to flip rows at a top-p boundary
+    prob = (s.double() - peak.double().view(r, 1)).exp_()  # [r, V] float64
+    prob.div_(prob.sum(dim=1, keepdim=True))
     base = torch.arange(r, device=device).view(r, 1) * 256
     bins = torch.arange(256, device=device).view(1, 256)
     prefix = torch.zeros(r, 1, dtype=torch.int64, device=device)  # key >> (shift + 8)
@@ -1397,6 +1409,7 @@ if triton is not None:
         SBLOCK: tl.constexpr,
         NP: tl.constexpr,
         MAX_PASSES: tl.constexpr,
+        SEARCH: tl.constexpr,
     ):
         NEG = float("-inf")
         row = tl.program_id(0).to(tl.int64)
@@ -1404,23 +1417,18 @@ if triton is not None:
         temp = tl.load(temp_ptr + row)
         greedy = tl.load(greedy_ptr + row) != 0
         offs = tl.arange(0, BLOCK)
-        # pass 1: max, sum of exp (online), smallest finite value, first argmax
+        # pass 1: max, smallest finite value, first argmax (the search sums its own float64
+        # softmax denominator, so no sum of exp here: rows without top-k / top-p never need it)
         m_v = tl.full([BLOCK], NEG, tl.float32)
-        z_v = tl.zeros([BLOCK], tl.float32)
         lo_v = tl.full([BLOCK], float("inf"), tl.float32)
         arg_v = tl.full([BLOCK], V, tl.int32)
         for start in range(0, V, BLOCK):
             cols = start + offs
             s = _load_scaled(x_row, cols, V, temp)
             arg_v = tl.where(s > m_v, cols, arg_v)
-            m_new = tl.maximum(m_v, s)
-            shift = tl.where(m_new > NEG, m_new, 0.0)  # lanes still all -inf add 0
-            z_v = z_v * tl.exp(m_v - shift) + tl.exp(s - shift)
-            m_v = m_new
+            m_v = tl.maximum(m_v, s)
             lo_v = tl.minimum(lo_v, tl.where(s > NEG, s, float("inf")))
         peak = tl.max(m_v, axis=0)
-        z = tl.sum(z_v * tl.exp(m_v - tl.where(peak > NEG, peak, 0.0)), axis=0)
-        lse = peak + tl.log(z)
         s_min = tl.min(lo_v, axis=0)
         arg = tl.min(tl.where(m_v == peak, arg_v, V), axis=0)
         arg = tl.where(arg >= V, 0, arg)
@@ -1433,41 +1441,76 @@ if triton is not None:
             _key_of(t_lo) - 1
         )  # Q(lo) is taken as false: no candidate lies at or below lo
         hi = _key_of(peak)  # Q(max) is true: nothing lies strictly above the max
-        search = sample & ((kk < V) | (pp < float("inf")))
-        inside = tl.where(search, 1, 0)
-        passes = 0
-        c = tl.arange(0, NP)
-        soffs = tl.arange(0, SBLOCK)
-        while (inside > 0) & (passes < MAX_PASSES):
-            lo64 = lo.to(tl.int64)
-            hi64 = hi.to(tl.int64)
-            piv = lo64 + ((hi64 - lo64) * c) // (NP - 1)
-            mid = (c > 0) & (c < NP - 1)
-            piv = tl.where(mid, tl.minimum(tl.maximum(piv, lo64 + 1), hi64 - 1), piv)
-            piv = piv.to(tl.int32)
-            n_gt = tl.zeros([NP], tl.int32)
-            n_eq = tl.zeros([NP], tl.int32)
-            m_gt = tl.zeros([NP], tl.float64)
-            for start in range(0, V, SBLOCK):
-                cols = start + soffs
-                s = _load_scaled(x_row, cols, V, temp)
-                key = _key_of(s)
-                prob = tl.exp(s - lse)
-                gt = key[:, None] > piv[None, :]
-                n_gt += tl.sum(gt.to(tl.int32), axis=0)
-                n_eq += tl.sum((key[:, None] == piv[None, :]).to(tl.int32), axis=0)
-                m_gt += tl.sum(tl.where(gt, prob[:, None], 0.0), axis=0).to(tl.float64)
-            q = (n_gt < kk) & (m_gt < pp.to(tl.float64))
-            q = (q & (c > 0)) | (c == NP - 1)
-            new_lo = tl.max(tl.where(q, -2147483647 - 1, piv), axis=0)
-            new_hi = tl.min(tl.where(q, piv, 2147483647), axis=0)
-            gt_lo = tl.min(tl.where(q, 2147483647, n_gt), axis=0)
-            ge_hi = tl.max(tl.where(q, n_gt + n_eq, 0), axis=0)
-            inside = gt_lo - ge_hi
-            lo = new_lo
-            hi = new_hi
-            passes += 1
-        thr_key = tl.where(search, hi, lo + 1)
+        thr_key = lo + 1  # min-p (or no limit) only
+        if SEARCH:  # compiled out when the caller knows that no row has top-k / top-p
+            search = sample & ((kk < V) | (pp < float("inf")))
+            inside = tl.where(search, 1, 0)
+            passes = 0
+            c = tl.arange(0, NP)
+            soffs = tl.arange(0, SBLOCK)
+            peak64 = peak.to(tl.float64)
+            pp64 = pp.to(tl.float64)
+            n_hi = 0  # count strictly above hi (carried: hi only moves down)
+            m_hi = tl.full([], 0.0, tl.float64)  # mass strictly above hi, unnormalised
+            z = tl.full([], 1.0, tl.float64)  # sum of exp(s - peak), float64 (first pass)
+            while (inside > 0) & (passes < MAX_PASSES):
+                lo64 = lo.to(tl.int64)
+                hi64 = hi.to(tl.int64)
+                piv = lo64 + ((hi64 - lo64) * c) // (NP - 1)
+                mid = (c > 0) & (c < NP - 1)
+                piv = tl.where(mid, tl.minimum(tl.maximum(piv, lo64 + 1), hi64 - 1), piv)
+                piv = piv.to(tl.int32)  # [NP] keys, lo = piv[0] <= ... <= piv[NP - 1] = hi
+                piv2 = piv[:, None]
+                # Tokens above hi count for every pivot (all <= hi) and are carried from the
+                # last pass; tokens below lo count for none. Only BLOCK steps holding a token
+                # in [lo, hi] (all of them in the first pass, which also sums z) redo their
+                # columns in SBLOCK sub-steps into [NP, SBLOCK] partials, reduced once. With
+                # SBLOCK == BLOCK (V <= 256) a step is its own sub-step: no band test, no
+                # re-read (the interpreter's cost is mostly nested jit calls and reductions).
+                first = passes == 0
+                a_n = tl.full([NP, SBLOCK], 0, tl.int32)  # per column: #gt + 65536 * #eq
+                a_m = tl.full([NP, SBLOCK], 0.0, tl.float64)
+                a_z = tl.full([SBLOCK], 0.0, tl.float64)
+                for start in range(0, V, BLOCK):
+                    s = _load_scaled(x_row, start + offs, V, temp)  # [BLOCK]
+                    key = _key_of(s)
+                    go = passes >= 0
+                    if SBLOCK < BLOCK:
+                        band = (key >= lo) & (key <= hi)
+                        go = first | (tl.max(band.to(tl.int32), axis=0) > 0)
+                    if go:
+                        for sub in range(0, BLOCK, SBLOCK):
+                            if SBLOCK < BLOCK:
+                                ss = _load_scaled(x_row, start + sub + soffs, V, temp)
+                                sk = _key_of(ss)  # [SBLOCK]
+                            else:
+                                ss = s
+                                sk = key
+                            e = tl.exp(ss.to(tl.float64) - peak64)  # 0 past V
+                            a_z += e
+                            kb = tl.where((sk >= lo) & (sk <= hi), sk, lo - 1)[None, :]
+                            gt = kb > piv2  # lo - 1 (outside the band) counts for no pivot
+                            a_n += tl.where(gt, 1, tl.where(kb == piv2, 65536, 0))
+                            a_m += tl.where(gt, e[None, :], 0.0)
+                if first:
+                    z = tl.sum(a_z, axis=0)
+                n_gt = n_hi + tl.sum(a_n & 65535, axis=1)  # [NP] count strictly above each
+                n_eq = tl.sum(a_n >> 16, axis=1)  # [NP] count equal to each pivot
+                m_gt = m_hi + tl.sum(a_m, axis=1)  # [NP] unnormalised mass strictly above
+                q = (n_gt < kk) & (m_gt / z < pp64)
+                q = (q & (c > 0)) | (c == NP - 1)
+                new_lo = tl.max(tl.where(q, -2147483647 - 1, piv), axis=0)
+                new_hi = tl.min(tl.where(q, piv, 2147483647), axis=0)
+                gt_lo = tl.min(tl.where(q, 2147483647, n_gt), axis=0)
+                ge_hi = tl.max(tl.where(q, n_gt + n_eq, 0), axis=0)
+                # at new_hi: n_gt and m_gt fall with the pivot, so their largest over q
+                n_hi = tl.max(tl.where(q, n_gt, 0), axis=0)
+                m_hi = tl.max(tl.where(q, m_gt, 0.0), axis=0)
+                inside = gt_lo - ge_hi
+                lo = new_lo
+                hi = new_hi
+                passes += 1
+            thr_key = tl.where(search, hi, lo + 1)
         thr = tl.where(sample, _value_of(thr_key), peak)
 
         # last pass: Gumbel-max over s >= thr (chunks without a kept token draw no noise)
@@ -1493,6 +1536,24 @@ if triton is not None:
         tl.store(thr_ptr + row, thr)
 
 
+def _sample_blocks(vocab: int) -> tuple[int, int]:
+    """``(BLOCK, SBLOCK)`` of the sampling kernel for ``V`` columns: the GPU configuration
+    (1024, 256) from V = 1024 on, powers of two just covering V below it (the interpreter tests
+    use V = 5..40; there SBLOCK == BLOCK, one level, no band test or re-read per step)."""
+    block = min(_SAMPLE_BLOCK, max(16, 1 << (vocab - 1).bit_length()))
+    return block, min(_SAMPLE_SBLOCK, block)
+
+
+def _may_filter(top_k: Tensor | int | None, top_p: Tensor | float | None, vocab: int) -> bool:
+    """False when the host already knows that no row has a top-k or top-p limit (None or
+    Python numbers meaning "no limit"), so the kernel is compiled without the search."""
+    no_k = top_k is None or (
+        not isinstance(top_k, Tensor) and (int(top_k) <= 1 or int(top_k) >= vocab)
+    )
+    no_p = top_p is None or (not isinstance(top_p, Tensor) and float(top_p) >= 1.0)
+    return not (no_k and no_p)
+
+
 def _sample_rows_triton(
     logits: Tensor,
     temp: Tensor,
@@ -1501,6 +1562,7 @@ def _sample_rows_triton(
     log_mp: Tensor,
     greedy: Tensor,
     generator: torch.Generator | None,
+    search: bool = True,
 ) -> tuple[Tensor, Tensor]:
     rows, vocab = logits.shape
     x = logits if logits.stride(-1) == 1 else logits.contiguous()
@@ -1510,11 +1572,15 @@ def _sample_rows_triton(
     )
     token = torch.empty(rows, dtype=torch.int64, device=device)
     thr = torch.empty(rows, dtype=torch.float32, device=device)
+    block, sblock = _sample_blocks(vocab)
+    if -(-vocab // sblock) >= 1 << 16:  # a search column's count of #gt + 65536 * #eq
+        raise ValueError(f"vocabulary {vocab} too large for the sampling kernel")
+    warps = _SAMPLE_WARPS if search else _SAMPLE_WARPS_NO_SEARCH
     _sample_rows_kernel[(rows,)](
         x, temp.contiguous(), kk.contiguous(), pp.contiguous(), log_mp.contiguous(),
         greedy.to(torch.int8), seed, token, thr, vocab, x.stride(0),
-        BLOCK=_SAMPLE_BLOCK, SBLOCK=_SAMPLE_SBLOCK, NP=_SAMPLE_PIVOTS,
-        MAX_PASSES=_SAMPLE_MAX_PASSES, num_warps=8,
+        BLOCK=block, SBLOCK=sblock, NP=_SAMPLE_PIVOTS,
+        MAX_PASSES=_SAMPLE_MAX_PASSES, SEARCH=search, num_warps=warps,
     )  # fmt: skip
     return token, thr
 
@@ -1527,6 +1593,7 @@ def _sample_with_threshold(
     min_p: Tensor | float | None,
     generator: torch.Generator | None,
     backend: str,
+    any_top_k_top_p: bool | None = None,
 ) -> tuple[Tensor, Tensor]:
     """:func:`sample_from_logits` plus each row's threshold in ``s = logits / temperature``
     (the kept set is ``s >= threshold``; for greedy rows the threshold is the maximum)."""
@@ -1549,7 +1616,9 @@ def _sample_with_threshold(
             torch.zeros(0, dtype=torch.float32, device=device),
         )
     if _triton_ok(device, backend):
-        return _sample_rows_triton(logits, *params, generator)
+        if any_top_k_top_p is None:
+            any_top_k_top_p = _may_filter(top_k, top_p, vocab)
+        return _sample_rows_triton(logits, *params, generator, any_top_k_top_p)
     step = max(1, _TORCH_WORK_ELEMS // vocab)
     tokens, thrs = [], []
     for start in range(0, rows, step):
@@ -1570,6 +1639,7 @@ def sample_from_logits(
     min_p: Tensor | float | None = None,
     *,
     max_top_k: int | None = None,
+    any_top_k_top_p: bool | None = None,
     generator: torch.Generator | None = None,
     backend: str = "auto",
 ) -> Tensor:
@@ -1586,6 +1656,13 @@ def sample_from_logits(
         max_top_k: an optional host-side upper bound on the finite top_k values. Neither backend
             needs it (top-k is a count in the threshold search, whatever its size); accepted so
             callers can pass what they know.
+        any_top_k_top_p: False promises that no row has a top-k (2..V-1) or top-p (< 1) limit
+            (SGLang: ``not (sampling_info.need_top_k_sampling or need_top_p_sampling)``); the
+            Triton kernel is then compiled without the threshold search (min_p still applies).
+            None (default): False only when ``top_k`` and ``top_p`` are None or Python numbers
+            meaning no limit, else True (the kernel skips the search per row anyway; the
+            specialisation only spares the search's registers). A wrong False drops the
+            top-k / top-p limits.
         generator: optional ``torch.Generator`` on the logits' device (the Triton kernel draws
             one Philox seed from it per call, the torch path its uniforms).
         backend: ``"auto"`` = one Triton kernel on CUDA (one program per row), else chunked
@@ -1603,7 +1680,7 @@ def sample_from_logits(
     if max_top_k is not None and max_top_k < 1:
         raise ValueError(f"max_top_k must be >= 1 when given, got {max_top_k}")
     token, _ = _sample_with_threshold(
-        logits, temperature, top_k, top_p, min_p, generator, backend
+        logits, temperature, top_k, top_p, min_p, generator, backend, any_top_k_top_p
     )
     return token
 
@@ -1617,6 +1694,7 @@ def sample_tree_targets(
     n_per_req: int,
     *,
     max_top_k: int | None = None,
+    any_top_k_top_p: bool | None = None,
     generator: torch.Generator | None = None,
     backend: str = "auto",
 ) -> Tensor:
@@ -1630,6 +1708,7 @@ def sample_tree_targets(
             ``min_ps``); expanded to rows with ``repeat_interleave`` by the static ``N`` (no
             host sync).
         n_per_req: ``N = B + 1`` verify tokens per request.
+        any_top_k_top_p: as in :func:`sample_from_logits`.
 
     Returns ``[bs, N]`` int64: pass it as ``target_predict`` to ``sgl_kernel.verify_tree_greedy``
     (or :func:`verify_greedy_reference`), or as ``samples=`` to
@@ -1661,6 +1740,7 @@ def sample_tree_targets(
         expand(top_p),
         expand(min_p),
         max_top_k=max_top_k,
+        any_top_k_top_p=any_top_k_top_p,
         generator=generator,
         backend=backend,
     )

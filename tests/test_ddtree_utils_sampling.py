@@ -11,6 +11,8 @@ set by tests/conftest.py) against it.
 
 from __future__ import annotations
 
+import itertools
+import math
 import os
 import subprocess
 import sys
@@ -189,6 +191,132 @@ def test_kept_sets_exact_with_ties(backend):
         want = brute_kept(s[r].tolist(), int(top_k[r]), float(top_p[r]), float(min_p[r]))
         assert ref[r].tolist() == want, r
         assert kept[r].tolist() == want, r
+
+
+def kept_sets(x, temp, top_k, top_p, min_p, backend, **kw):
+    """``[R, V]`` bool: the kept set ``s >= threshold`` of each row, as the sampler found it."""
+    _, thr = du._sample_with_threshold(x, temp, top_k, top_p, min_p, None, backend, **kw)
+    return x / temp.view(-1, 1) >= thr.view(-1, 1)
+
+
+def top_p_boundary_rows(rows: int, vocab: int, seed: int, pool: int = 600):
+    """``(x [rows, V], temp [rows], top_p [rows], margin [rows])``: rows whose float32 top_p is
+    the float32 nearest to the float64 softmax mass of their top j tokens (j random), the rows
+    of ``pool`` with the smallest |top_p - mass| above 1e-13 (float32 rounding puts it anywhere
+    up to half an ulp, ~3e-8, away). Float64 decides such a row (the rule keeps a token iff the
+    mass strictly above it is < top_p); a float32 softmax or mass sum does not."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(pool, vocab, generator=gen) * 2
+    temp = torch.rand(pool, generator=gen) + 0.5
+    desc = (x / temp.view(pool, 1)).sort(dim=1, descending=True).values
+    mass = torch.softmax(desc.double(), dim=1).cumsum(dim=1)  # [pool, V] mass of the top j + 1
+    j = torch.randint(0, vocab - 2, (pool, 1), generator=gen)
+    m = mass.gather(1, j).view(pool)
+    top_p = m.float()
+    margin = (top_p.double() - m).abs()
+    distinct = (desc[:, 1:] < desc[:, :-1]).all(dim=1)  # no ties: one boundary token
+    ok = distinct & (margin > 1e-13) & (top_p < 1)
+    pick = torch.where(ok, margin, float("inf")).argsort()[:rows]
+    assert bool(ok[pick].all())
+    return x[pick], temp[pick], top_p[pick], margin[pick]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_top_p_boundary_rows_exact(backend):
+    """Rows whose top_p is within float32 rounding (here < 1e-9) of the mass above a token: the
+    kept set is the float64 rule's (the dense reference, token-by-token in Python floats) on
+    every row, while float32 masses misjudge several of the same rows (the test has power)."""
+    rows, vocab = 24, 32
+    x, temp, top_p, margin = top_p_boundary_rows(rows, vocab, seed=29)
+    assert float(margin.max()) < 1e-9
+    top_k = torch.where(torch.arange(rows) % 2 == 0, TOP_K_ALL, vocab - 1)  # joint rule too
+    ref = du.target_probs_from_logits(x, temp, top_k, top_p) > 0
+    s = x / temp.view(rows, 1)
+    for r in range(rows):
+        assert ref[r].tolist() == brute_kept(s[r].tolist(), int(top_k[r]), float(top_p[r]), 0.0), r
+    # float32: mass strictly above each token from a float32 softmax and cumsum
+    desc, order = s.sort(dim=1, descending=True)
+    above32 = torch.softmax(desc, dim=1).cumsum(dim=1) - torch.softmax(desc, dim=1)
+    kept32 = torch.zeros_like(ref).scatter(1, order, above32 < top_p.view(rows, 1))
+    assert int((kept32 != ref).any(dim=1).sum()) >= 3
+    assert torch.equal(kept_sets(x, temp, top_k, top_p, None, backend), ref)
+
+
+def float32_around(m: float) -> tuple[float, float]:
+    """The float32 values just below and just above the float64 value m (m itself not one)."""
+    f = torch.tensor(m, dtype=torch.float64).float()
+    assert f.double().item() != m
+    if f.double().item() > m:
+        return torch.nextafter(f, torch.tensor(-math.inf)).item(), f.item()
+    return f.item(), torch.nextafter(f, torch.tensor(math.inf)).item()
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_top_p_boundary_ties_exact(backend):
+    """Tied tokens at the top-p boundary are kept or dropped together, decided by the float64
+    mass strictly above the tie against top_p one float32 ulp above or below it; the same at a
+    top-k boundary inside a tie and with both limits (all tokens of a tie, as flashinfer)."""
+    base = torch.tensor([2.0, 1.0, 1.0, 1.0, 0.0, 0.0, -1.0, -3.0])
+    groups = [[0], [1, 2, 3], [4, 5], [6], [7]]  # tie groups, descending
+    cases = []  # (temperature, top_k, top_p, kept tokens)
+    for temp in (1.0, 0.7):
+        p = torch.softmax((base / temp).double(), dim=0).tolist()  # of s = x / temp in float32
+        above, kept = 0.0, []
+        for g, nxt in itertools.pairwise(groups):
+            above += sum(p[i] for i in g)
+            kept += g
+            down, up = float32_around(above)  # mass above the next group: above
+            cases.append((temp, TOP_K_ALL, down, list(kept)))  # next group dropped
+            cases.append((temp, TOP_K_ALL, up, kept + nxt))  # next group kept, every tie
+        cases.append((temp, 2, 1.0, [0, 1, 2, 3]))  # top-k boundary inside the tie {1, 2, 3}
+        cases.append((temp, 5, 1.0, [0, 1, 2, 3, 4, 5]))  # ... and inside {4, 5}
+        down, up = float32_around(p[0])
+        cases.append((temp, 3, up, [0, 1, 2, 3]))  # both limits at the same tie
+        cases.append((temp, 3, down, [0]))
+    rows = len(cases)
+    x = base.expand(rows, -1).contiguous()
+    temp = torch.tensor([c[0] for c in cases])
+    top_k = torch.tensor([c[1] for c in cases])
+    top_p = torch.tensor([c[2] for c in cases])
+    want = torch.zeros(rows, base.numel(), dtype=torch.bool)
+    for r, c in enumerate(cases):
+        want[r, c[3]] = True
+        s = (x[r] / temp[r]).tolist()
+        assert want[r].tolist() == brute_kept(s, c[1], float(top_p[r]), 0.0), c
+    assert torch.equal(du.target_probs_from_logits(x, temp, top_k, top_p) > 0, want)
+    assert torch.equal(kept_sets(x, temp, top_k, top_p, None, backend), want)
+
+
+def test_kernel_without_search_matches_the_search_kernel():
+    """Rows without top-k / top-p: the kernel compiled without the threshold search (picked
+    when the host knows, or told any_top_k_top_p=False) keeps the same sets and, from the same
+    seed, draws the same tokens as the kernel that skips the search per row; min_p applies."""
+    assert not du._may_filter(None, None, 50)
+    assert not du._may_filter(TOP_K_ALL, 1.0, 50) and not du._may_filter(0, None, 50)
+    assert du._may_filter(20, None, 50) and du._may_filter(None, 0.9, 50)
+    assert du._may_filter(torch.tensor([TOP_K_ALL]), None, 50)
+    gen = torch.Generator().manual_seed(31)
+    rows, vocab = 16, 50
+    x = torch.randn(rows, vocab, generator=gen) * 2
+    temp = torch.rand(rows, generator=gen) + 0.5
+    min_p = torch.where(torch.arange(rows) % 2 == 0, 0.0, 0.1)
+    no_k, no_p = torch.full((rows,), TOP_K_ALL), torch.ones(rows)
+    ref = du.target_probs_from_logits(x, temp, None, None, min_p) > 0
+    for flag in (True, False):
+        assert torch.equal(kept_sets(x, temp, no_k, no_p, min_p, "triton", any_top_k_top_p=flag), ref)
+    draws = [
+        du.sample_from_logits(x, temp, k, p, min_p, generator=torch.Generator().manual_seed(5), backend="triton", **kw)
+        for k, p, kw in ((no_k, no_p, {}), (None, None, {}), (no_k, no_p, {"any_top_k_top_p": False}))
+    ]  # fmt: skip
+    assert torch.equal(draws[0], draws[1]) and torch.equal(draws[0], draws[2])
+
+
+def test_sampling_block_sizes_follow_the_vocabulary():
+    """The interpreter tests' small V get small blocks; V >= 1024 keeps the GPU configuration."""
+    assert du._sample_blocks(12) == (16, 16)
+    assert du._sample_blocks(40) == (64, 64)
+    assert du._sample_blocks(300) == (512, 256)
+    assert du._sample_blocks(151936) == (du._SAMPLE_BLOCK, du._SAMPLE_SBLOCK) == (1024, 256)
 
 
 def test_greedy_rows_give_the_first_argmax():

@@ -52,7 +52,9 @@ SAMPLE = {"x_ptr": "*fp32", "temp_ptr": "*fp32", "k_ptr": "*i64", "p_ptr": "*fp3
           "lmp_ptr": "*fp32", "greedy_ptr": "*i8", "seed_ptr": "*i64", "out_ptr": "*i64",
           "thr_ptr": "*fp32", "V": "i32", "x_stride": "i32"}  # fmt: skip
 SAMPLE_CONSTS = {"BLOCK": du._SAMPLE_BLOCK, "SBLOCK": du._SAMPLE_SBLOCK,
-                 "NP": du._SAMPLE_PIVOTS, "MAX_PASSES": du._SAMPLE_MAX_PASSES}  # fmt: skip
+                 "NP": du._SAMPLE_PIVOTS, "MAX_PASSES": du._SAMPLE_MAX_PASSES,
+                 "SEARCH": True}  # fmt: skip
+SAMPLE_NO_SEARCH = {**SAMPLE_CONSTS, "SEARCH": False}
 
 CASES = [
     # (kernel, argument types, constexprs, warps): the block sizes the wrappers pick for B = 1, 15,
@@ -66,9 +68,11 @@ CASES = [
     (du._ddtree_compile_kernel, COMPILE, {"NB": 1024, "DB": 16, "RB": 8}, 16),
     (du._sumexp_partial_kernel, SUMEXP, {"CHUNK": 128}, 8),
     (du._sumexp_partial_kernel, SUMEXP, {"CHUNK": 8192}, 8),
-    # the target sampler as sample_from_logits launches it, fp32 and bf16 logits
-    (du._sample_rows_kernel, SAMPLE, SAMPLE_CONSTS, 8),
-    (du._sample_rows_kernel, {**SAMPLE, "x_ptr": "*bf16"}, SAMPLE_CONSTS, 8),
+    # the target sampler as sample_from_logits launches it at V >= 1024, fp32 and bf16 logits,
+    # with the threshold search and compiled without it (no row with top-k / top-p)
+    (du._sample_rows_kernel, SAMPLE, SAMPLE_CONSTS, du._SAMPLE_WARPS),
+    (du._sample_rows_kernel, {**SAMPLE, "x_ptr": "*bf16"}, SAMPLE_CONSTS, du._SAMPLE_WARPS),
+    (du._sample_rows_kernel, SAMPLE, SAMPLE_NO_SEARCH, du._SAMPLE_WARPS_NO_SEARCH),
 ]
 
 

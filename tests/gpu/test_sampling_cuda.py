@@ -106,3 +106,35 @@ def test_distribution_matches_reference():
     assert counts[~keep].sum() == 0
     exp = want[keep].double() / want[keep].double().sum() * n
     assert chisquare(counts[keep].numpy(), exp.numpy()).pvalue > 1e-3
+
+
+def test_top_p_boundary_rows_equal_reference():
+    """Full vocabulary: each row's top_p is the float32 nearest to the float64 mass of its top j
+    tokens (j around the 0.9 mass), so float32 rounding decides the boundary token; the kept
+    sets (float64 masses in the kernel) equal the float64 reference on every row."""
+    gen = torch.Generator(device="cuda").manual_seed(21)
+    rows = 64
+    x = torch.randn(rows, V, device="cuda", generator=gen)
+    temp = torch.full((rows,), 0.7, device="cuda")
+    desc = (x / temp.view(rows, 1)).sort(dim=1, descending=True).values
+    mass = torch.softmax(desc.double(), dim=1).cumsum(dim=1)
+    j = (mass < 0.9).sum(dim=1, keepdim=True) + torch.arange(rows, device="cuda").view(rows, 1)
+    m = mass.gather(1, j).view(rows)
+    top_p = m.float()
+    assert bool(((top_p.double() - m).abs() > 1e-12).all())  # float64 decides every row
+    top_k = torch.full((rows,), 1 << 30, dtype=torch.int32, device="cuda")
+    ref = du.target_probs_from_logits(x, temp, top_k, top_p) > 0
+    _, thr = du._sample_with_threshold(x, temp, top_k, top_p, None, None, "triton")
+    kept = x / temp.view(rows, 1) >= thr.view(rows, 1)
+    assert torch.equal(kept, ref)
+    extra = kept.sum(dim=1) - (j.view(rows) + 1)  # the top j + 1, and the next iff m < top_p
+    assert torch.equal(extra, (m < top_p.double()).long())
+
+
+@pytest.mark.parametrize("search", [True, False])
+def test_no_filter_rows_keep_everything(search):
+    """No top-k / top-p: both kernel specialisations keep every token (min_p 0)."""
+    x = torch.randn(64, V, device="cuda")
+    args = params(64, 1 << 30, 1.0)
+    _, thr = du._sample_with_threshold(x, *args, None, "triton", any_top_k_top_p=search)
+    assert bool((x / 0.7 >= thr.view(-1, 1)).all())
