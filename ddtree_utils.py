@@ -1234,7 +1234,7 @@ _SAMPLING_EPS = (
     1e-6  # SGLang's sampling_params._SAMPLING_EPS: temperature below it is greedy
 )
 _SAMPLE_BLOCK = 1024  # vocabulary columns per step of the linear passes (Triton, V >= 1024)
-_SAMPLE_SBLOCK = 256  # columns per per-pivot sub-step of a search pass (divides BLOCK)
+_SAMPLE_SBLOCK = 128  # columns per per-pivot sub-step of a search pass (divides BLOCK; H200 A/B: 128 beats 256)
 _SAMPLE_PIVOTS = 16  # keys evaluated per search pass (lo, hi and 14 between)
 _SAMPLE_WARPS = 4  # num_warps of the kernel with the search (also tests/triton_aot.py)
 _SAMPLE_WARPS_NO_SEARCH = 8  # num_warps of the kernel compiled without it (as before the rework)
@@ -1538,7 +1538,7 @@ if triton is not None:
 
 def _sample_blocks(vocab: int) -> tuple[int, int]:
     """``(BLOCK, SBLOCK)`` of the sampling kernel for ``V`` columns: the GPU configuration
-    (1024, 256) from V = 1024 on, powers of two just covering V below it (the interpreter tests
+    (1024, 128) from V = 1024 on, powers of two just covering V below it (the interpreter tests
     use V = 5..40; there SBLOCK == BLOCK, one level, no band test or re-read per step)."""
     block = min(_SAMPLE_BLOCK, max(16, 1 << (vocab - 1).bit_length()))
     return block, min(_SAMPLE_SBLOCK, block)

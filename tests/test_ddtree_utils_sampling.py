@@ -315,8 +315,8 @@ def test_sampling_block_sizes_follow_the_vocabulary():
     """The interpreter tests' small V get small blocks; V >= 1024 keeps the GPU configuration."""
     assert du._sample_blocks(12) == (16, 16)
     assert du._sample_blocks(40) == (64, 64)
-    assert du._sample_blocks(300) == (512, 256)
-    assert du._sample_blocks(151936) == (du._SAMPLE_BLOCK, du._SAMPLE_SBLOCK) == (1024, 256)
+    assert du._sample_blocks(300) == (512, 128)
+    assert du._sample_blocks(151936) == (du._SAMPLE_BLOCK, du._SAMPLE_SBLOCK) == (1024, 128)
 
 
 def test_greedy_rows_give_the_first_argmax():
