@@ -40,7 +40,7 @@ def test_tree_custom_mask_index_matches_the_full_mask():
         buf[index.reshape(-1)] = ct.tree_mask.reshape(-1)
         assert torch.equal(buf[: want.numel()], want)
         assert bool(buf[want.numel():].all())
-        buf[index.reshape(-1)] = True  # restoring the all-True invariant
+        du.restore_true_mask(buf, index)  # restoring the all-True invariant
         assert bool(buf.all())
 
 

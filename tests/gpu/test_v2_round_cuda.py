@@ -4,7 +4,10 @@
   on GPU-built trees, budgets 1..255;
 - the draft-graph proposer replayed from a CUDA graph == eager, and the proposer, the mask
   scatter, the accept and the commit layout run under torch.cuda sync debug mode "error"
-  (any host synchronisation raises).
+  (any host synchronisation raises);
+- none of the round pieces after the verify makes the host wait for queued GPU work (a wait
+  that sync debug mode does not see: `buf[index] = True` on CUDA was one, 86 ms per round on
+  the H200 behind a queued matmul, until restore_true_mask replaced it).
 """
 
 from __future__ import annotations
@@ -91,8 +94,76 @@ def test_proposer_graph_and_no_host_sync():
         out, commit, path = ddtree_utils.tree_commit_layout(acc, acc_len, bonus, tokens, BLOCK)
         slots = torch.arange(bs * (n + depth + 1), device="cuda").view(bs, -1)
         info.ddtree_kv_move_locs(slots, path, n, depth)
-        buf[index] = True
+        ddtree_utils.restore_true_mask(buf, index)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     assert bool(buf.all())
+
+
+def _host_ms_behind_queued_work(op, queued) -> float:
+    """Host time of ``op()`` issued right behind ``queued()`` GPU work (worst of 3)."""
+    import time
+
+    op()  # warm-up (kernel builds, allocator)
+    worst = 0.0
+    for _ in range(3):
+        torch.cuda.synchronize()
+        queued()
+        start = time.perf_counter()
+        op()
+        worst = max(worst, 1e3 * (time.perf_counter() - start))
+    torch.cuda.synchronize()
+    return worst
+
+
+@pytest.mark.parametrize("bs", [1, 32])
+def test_round_pieces_do_not_wait_for_the_gpu(bs):
+    budget = 15
+    n, depth = budget + 1, min(budget, BLOCK - 1)
+    big = torch.randn(4096, 4096, device="cuda")
+
+    def queued():
+        for _ in range(8):
+            big @ big
+
+    torch.cuda.synchronize()
+    import time
+
+    start = time.perf_counter()
+    queued()
+    torch.cuda.synchronize()
+    queued_ms = 1e3 * (time.perf_counter() - start)
+    limit = 0.2 * queued_ms
+    ct, cand, predict, seq_lens, _ = _round(budget, bs, 3)
+    index = ddtree_utils.tree_custom_mask_index(seq_lens, n).view(-1)
+    buf = torch.ones(int(index.max()) + 1 + 64, dtype=torch.bool, device="cuda")
+    rows = torch.arange(bs * n, device="cuda").view(bs, n)
+    logits = torch.randn(bs * n, VOCAB, device="cuda")
+    slots = torch.arange(bs * (n + depth + 1), device="cuda").view(bs, -1)
+    acc = info.ddtree_accept_greedy(
+        cand, predict, rows, ct.retrieve_next_token, ct.retrieve_next_sibling, depth
+    )
+    layout = ddtree_utils.tree_commit_layout(*acc, cand, BLOCK)
+    pieces = {
+        "mask scatter": lambda: buf.__setitem__(index, ct.tree_mask.reshape(-1)),
+        "restore_true_mask": lambda: ddtree_utils.restore_true_mask(buf, index),
+        "argmax": lambda: torch.argmax(logits, dim=-1),
+        "ddtree_accept_greedy": lambda: info.ddtree_accept_greedy(
+            cand, predict, rows, ct.retrieve_next_token, ct.retrieve_next_sibling, depth
+        ),
+        "tree_commit_layout": lambda: ddtree_utils.tree_commit_layout(*acc, cand, BLOCK),
+        "ddtree_kv_move_locs": lambda: info.ddtree_kv_move_locs(slots, layout[2], n, depth),
+    }
+    waited = {
+        name: ms
+        for name, op in pieces.items()
+        if (ms := _host_ms_behind_queued_work(op, queued)) > limit
+    }
+    # the detector must see a known wait, or a pass above means nothing
+    blocking_ms = _host_ms_behind_queued_work(lambda: buf.__setitem__(index, True), queued)
+    assert blocking_ms > limit, (
+        f"buf[index] = True no longer waits ({blocking_ms:.2f} ms of {queued_ms:.1f} queued): "
+        "torch changed; pick another known-blocking op for this check"
+    )
+    assert not waited, f"host waited for the GPU (queued {queued_ms:.1f} ms): {waited}"
