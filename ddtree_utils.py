@@ -1965,6 +1965,111 @@ def restore_true_mask(buf: Tensor, index: Tensor) -> Tensor:
     return buf.index_fill_(0, index.reshape(-1), True)
 
 
+class KVRows(NamedTuple):
+    """The KV cache as rows of bytes, one row per slot and buffer, for :func:`move_kv_rows`.
+
+    ``buffers``: per-layer cache tensors indexed by slot in dim 0 (K, V, and any per-slot
+    scale buffers); ``ptrs`` ``[L]`` int64 their data pointers and ``row_bytes`` ``[L]``
+    int64 their slot-row sizes, on the buffers' device; ``max_row_bytes`` the largest.
+    """
+
+    buffers: tuple
+    ptrs: Tensor
+    row_bytes: Tensor
+    max_row_bytes: int
+
+
+def kv_rows(buffers) -> KVRows | None:
+    """:class:`KVRows` of ``buffers`` (tensors on one device), or None when a buffer's slot
+    row is not one contiguous run of bytes (then move rows another way)."""
+    buffers = tuple(buffers)
+    if not buffers or len({b.device for b in buffers}) != 1:
+        return None
+    sizes = []
+    for b in buffers:
+        if b.dim() < 1 or not b[:1].is_contiguous():
+            return None
+        sizes.append(b[:1].numel() * b.element_size())
+        if b.dim() > 1 and b.stride(0) * b.element_size() != sizes[-1]:
+            return None
+    device = buffers[0].device
+    ptrs = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64, device=device)
+    row_bytes = torch.tensor(sizes, dtype=torch.int64, device=device)
+    return KVRows(buffers, ptrs, row_bytes, max(sizes))
+
+
+# Bytes of a slot row one program of the row-move kernel copies.
+_KV_MOVE_TILE = 256
+
+
+if triton is not None:
+
+    @triton.jit
+    def _move_kv_rows_kernel(
+        ptrs_ptr,  # [L] i64 buffer base addresses
+        row_bytes_ptr,  # [L] i64 bytes per slot row
+        tgt_ptr,  # [bs, K] i64 target slots
+        src_ptr,  # [bs, K] i64 source slots
+        K,
+        KP: tl.constexpr,  # pow2 >= K
+        TILE: tl.constexpr,
+    ):
+        # One program: one buffer, one request, one byte tile of its rows. It loads every
+        # source row of its request before it stores any, so a request's moves may overlap
+        # (a target that is another move's source) as long as requests do not share slots.
+        buf = tl.program_id(0)
+        req = tl.program_id(1)
+        tile = tl.program_id(2)
+        row = tl.load(row_bytes_ptr + buf)
+        base = tl.load(ptrs_ptr + buf).to(tl.pointer_type(tl.uint8))
+        off = tile * TILE + tl.arange(0, TILE)
+        off = tl.multiple_of(off, 16)
+        r = tl.arange(0, KP)
+        live = r < K
+        src = tl.load(src_ptr + req * K + r, mask=live, other=0)
+        tgt = tl.load(tgt_ptr + req * K + r, mask=live, other=0)
+        m = (live & (src != tgt))[:, None] & (off < row)[None, :]
+        vals = tl.load(base + src[:, None] * row + off[None, :], mask=m)
+        # Threads store what other threads load: every load of the program completes first.
+        tl.debug_barrier()
+        tl.store(base + tgt[:, None] * row + off[None, :], vals, mask=m)
+
+
+def move_kv_rows(rows: KVRows, tgt: Tensor, src: Tensor, backend: str = "auto") -> None:
+    """Per request ``b`` and buffer: ``buf[tgt[b, i]] = buf[src[b, i]]`` for every ``i``, all
+    reads of a request before its writes. No host sync.
+
+    Args:
+        rows: from :func:`kv_rows`.
+        tgt, src: ``[bs, K]`` int slots; a request's targets may be its own sources (the
+            accepted path moved onto the committed slots), requests share no slot.
+
+    One Triton launch on CUDA (grid buffers x requests x byte tiles); otherwise, or with
+    ``backend="torch"``, one gather + scatter per buffer (the same result).
+    """
+    if tgt.shape != src.shape or tgt.dim() != 2:
+        raise ValueError(f"tgt and src must be [bs, K], got {tuple(tgt.shape)}, {tuple(src.shape)}")
+    bs, k = tgt.shape
+    if bs == 0 or k == 0:
+        return
+    if _triton_ok(tgt.device, backend):
+        tiles = triton.cdiv(rows.max_row_bytes, _KV_MOVE_TILE)
+        _move_kv_rows_kernel[(len(rows.buffers), bs, tiles)](
+            rows.ptrs,
+            rows.row_bytes,
+            tgt.to(torch.int64).contiguous(),
+            src.to(torch.int64).contiguous(),
+            k,
+            KP=_pow2(k),
+            TILE=_KV_MOVE_TILE,
+            num_warps=4,
+        )
+        return
+    t, s = tgt.reshape(-1).to(torch.int64), src.reshape(-1).to(torch.int64)
+    for b in rows.buffers:
+        b[t] = b[s]
+
+
 # ----------------------------------------------------------------------------------------------
 # Serving limits: server-argument numbers derived from the budget (shared by every pin)
 # ----------------------------------------------------------------------------------------------

@@ -145,6 +145,72 @@ def phase_table(out: str, names: list) -> str:
     return "\n".join(rows)
 
 
+def profile_round(port: int, ids: list, out_dir: str, steps: int = 20) -> dict:
+    """GPU kernels of `steps` decode rounds at len(ids) concurrent requests, from SGLang's own
+    torch profiler (POST /start_profile, GPU activity only, CUDA-graph kernels included):
+    per round, the GPU busy time, the span from the first kernel start to the last kernel end,
+    and the kernels by total time."""
+    import glob
+    import gzip
+    import threading
+
+    os.makedirs(out_dir, exist_ok=True)
+    worker = threading.Thread(target=timed, args=(port, ids, 136))
+    worker.start()
+    time.sleep(0.5)  # prefill done, decoding
+    body = {"output_dir": out_dir, "num_steps": steps, "activities": ["GPU"], "with_stack": False}
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/start_profile", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    urllib.request.urlopen(req, timeout=60).read()
+    worker.join()
+    traces: list = []
+    for _ in range(60):
+        traces = glob.glob(os.path.join(out_dir, "*.trace.json.gz"))
+        if traces:
+            break
+        time.sleep(1)
+    if not traces:
+        return {"error": "no trace written"}
+    time.sleep(1)  # the file is written in one go; let it finish
+    with gzip.open(traces[0], "rt") as f:
+        events = json.load(f).get("traceEvents", [])
+    kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
+    if not kernels:
+        return {"error": "no kernel events"}
+    by_name: dict = {}
+    for e in kernels:
+        d = by_name.setdefault(e["name"][:90], [0.0, 0])
+        d[0] += float(e["dur"])
+        d[1] += 1
+    span = max(e["ts"] + e["dur"] for e in kernels) - min(e["ts"] for e in kernels)
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:25]
+    return {
+        "steps": steps,
+        "busy_ms_per_round": round(sum(e["dur"] for e in kernels) / 1e3 / steps, 3),
+        "span_ms_per_round": round(span / 1e3 / steps, 3),
+        "kernels_per_round": round(len(kernels) / steps, 1),
+        "top": [{"name": n, "ms_per_round": round(t / 1e3 / steps, 4), "calls_per_round": round(c / steps, 2)}
+                for n, (t, c) in top],
+    }
+
+
+def profile_table(profiles: dict) -> str:
+    rows = []
+    for name, p in profiles.items():
+        if "error" in p:
+            rows.append(f"### {name}: {p['error']}")
+            continue
+        rows.append(f"### {name} (bs {p['bs']}, {p['steps']} rounds): GPU busy {p['busy_ms_per_round']} ms/round, "
+                    f"kernel span {p['span_ms_per_round']} ms/round, {p['kernels_per_round']} kernels/round")
+        rows.append("")
+        rows.append("| kernel | ms/round | calls/round |")
+        rows.append("|---|---|---|")
+        rows += [f"| `{k['name']}` | {k['ms_per_round']} | {k['calls_per_round']} |" for k in p["top"]]
+        rows.append("")
+    return "\n".join(rows)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
@@ -154,6 +220,8 @@ def main() -> int:
     ap.add_argument("--only", default="", help="comma-separated config names")
     ap.add_argument("--port", type=int, default=30100)
     ap.add_argument("--deadline", type=float, default=540, help="seconds for the whole run")
+    ap.add_argument("--profile-bs", type=int, default=0,
+                    help="also profile each server's GPU kernels over 20 rounds at this batch size")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     t00 = time.time()
@@ -195,6 +263,7 @@ def main() -> int:
     print(json.dumps({"ready": ready, "t": round(time.time() - t00)}), flush=True)
     bss = [int(x) for x in a.bs.split(",")]
     res = []
+    profiles: dict = {}
     for name, (port, _) in procs.items():
         if not ready.get(name):
             res.append({"config": name, "error": "server not ready"})
@@ -213,6 +282,14 @@ def main() -> int:
                 r = {"config": name, "bs": bs, "error": repr(e)[:200]}
             res.append(r)
             print(json.dumps(r), flush=True)
+        if a.profile_bs and time.time() - t00 < a.deadline:
+            ids = [[rng.randrange(100, 150000) for _ in range(512)] for _ in range(a.profile_bs)]
+            try:
+                prof = profile_round(port, ids, os.path.join("/tmp/rc-prof", name))
+            except Exception as e:  # noqa: BLE001 - recorded
+                prof = {"error": repr(e)[:200]}
+            profiles[name] = dict(prof, bs=a.profile_bs)
+            print(json.dumps({"profile": name, **{k: v for k, v in prof.items() if k != "top"}}), flush=True)
     for _, p in procs.values():
         try:
             os.killpg(p.pid, signal.SIGTERM)
@@ -221,6 +298,10 @@ def main() -> int:
     with open(os.path.join(a.out, "round_cost.json"), "w") as f:
         json.dump(res, f, indent=1)
     report = table(res, bss) + "\n\n" + phase_table(a.out, names)
+    if profiles:
+        with open(os.path.join(a.out, "profiles.json"), "w") as f:
+            json.dump(profiles, f, indent=1)
+        report += "\n\n" + profile_table(profiles)
     with open(os.path.join(a.out, "round_cost.md"), "w") as f:
         f.write(report + "\n")
     print(report, flush=True)

@@ -79,3 +79,58 @@ def test_tree_commit_layout_refuses_a_too_narrow_row():
         assert "columns for rows of width" in str(e)
     else:
         raise AssertionError("a row narrower than the accepted path was accepted")
+
+
+def _kv_move_case(seed: int, bs: int = 4, depth: int = 6, n: int = 12):
+    """Per-layer caches (K, V and a per-slot scale buffer, different row sizes) and the DDTREE
+    move of a round: the accepted path's KV onto the committed slots slots[:, :depth + 1], whose
+    sources are other verify slots of the same request (sources and targets overlap)."""
+    g = torch.Generator().manual_seed(seed)
+    slots_total = 8 + bs * (n + depth + 1)
+    buffers = [torch.randn(slots_total, 2, 8, generator=g).to(torch.bfloat16) for _ in range(4)]
+    buffers.append(torch.randn(slots_total, 3, generator=g))
+    perm = torch.randperm(slots_total - 8, generator=g)[: bs * n] + 8  # requests own their slots
+    slots = perm.view(bs, n)
+    path = torch.zeros(bs, depth + 1, dtype=torch.int64)
+    for b in range(bs):  # a root-to-node path: strictly increasing verify indices, root first
+        a = int(torch.randint(0, depth + 1, (), generator=g))
+        path[b, 1 : a + 1] = torch.sort(torch.randperm(n - 1, generator=g)[:a] + 1).values
+    return buffers, slots[:, : depth + 1], slots.gather(1, path)
+
+
+def test_move_kv_rows_moves_the_path_onto_the_committed_slots():
+    for seed in range(6):
+        for backend in ("triton", "torch"):
+            buffers, tgt, src = _kv_move_case(seed)
+            want = [b.clone() for b in buffers]
+            for w, b in zip(want, buffers):  # what every committed slot must hold afterwards
+                w[tgt.reshape(-1)] = b[src.reshape(-1)]
+            rows = du.kv_rows(buffers)
+            assert rows.row_bytes.tolist() == [32, 32, 32, 32, 12] and rows.max_row_bytes == 32
+            du.move_kv_rows(rows, tgt, src, backend=backend)
+            for w, b in zip(want, buffers):
+                assert torch.equal(w, b), (seed, backend)
+
+
+def test_move_kv_rows_overlapping_path_reads_before_writes():
+    # request 0 moves node 2 -> slot 1 and node 1 -> slot 3 (slot 1 is a target and a source)
+    buf = torch.arange(16 * 4, dtype=torch.float32).view(16, 4)
+    before = buf.clone()
+    tgt = torch.tensor([[0, 1, 2, 3]])
+    src = torch.tensor([[0, 2, 5, 1]])
+    du.move_kv_rows(du.kv_rows([buf]), tgt, src, backend="triton")
+    assert buf[1].tolist() == before[2].tolist() and buf[3].tolist() == before[1].tolist()
+    assert buf[2].tolist() == before[5].tolist() and torch.equal(buf[4:], before[4:])
+
+
+def test_kv_rows_refuses_rows_that_are_not_contiguous_and_bad_shapes():
+    assert du.kv_rows([torch.zeros(8, 4, 2).transpose(1, 2)]) is None
+    assert du.kv_rows([torch.zeros(8, 4)[:, :2]]) is None
+    assert du.kv_rows([]) is None
+    rows = du.kv_rows([torch.zeros(8, 4)])
+    try:
+        du.move_kv_rows(rows, torch.zeros(2, 3, dtype=torch.int64), torch.zeros(2, 4, dtype=torch.int64))
+    except ValueError as e:
+        assert "must be [bs, K]" in str(e)
+    else:
+        raise AssertionError("mismatched shapes were accepted")

@@ -55,6 +55,8 @@ SAMPLE_CONSTS = {"BLOCK": du._SAMPLE_BLOCK, "SBLOCK": du._SAMPLE_SBLOCK,
                  "NP": du._SAMPLE_PIVOTS, "MAX_PASSES": du._SAMPLE_MAX_PASSES,
                  "SEARCH": True}  # fmt: skip
 SAMPLE_NO_SEARCH = {**SAMPLE_CONSTS, "SEARCH": False}
+KV_MOVE = {"ptrs_ptr": "*i64", "row_bytes_ptr": "*i64", "tgt_ptr": "*i64", "src_ptr": "*i64",
+           "K": "i32"}  # fmt: skip
 
 CASES = [
     # (kernel, argument types, constexprs, warps): the block sizes the wrappers pick for B = 1, 15,
@@ -73,6 +75,9 @@ CASES = [
     (du._sample_rows_kernel, SAMPLE, SAMPLE_CONSTS, du._SAMPLE_WARPS),
     (du._sample_rows_kernel, {**SAMPLE, "x_ptr": "*bf16"}, SAMPLE_CONSTS, du._SAMPLE_WARPS),
     (du._sample_rows_kernel, SAMPLE, SAMPLE_NO_SEARCH, du._SAMPLE_WARPS_NO_SEARCH),
+    # the KV path move for depth + 1 = 2 and 16 rows per request
+    (du._move_kv_rows_kernel, KV_MOVE, {"KP": 2, "TILE": du._KV_MOVE_TILE}, 4),
+    (du._move_kv_rows_kernel, KV_MOVE, {"KP": 16, "TILE": du._KV_MOVE_TILE}, 4),
 ]
 
 

@@ -307,6 +307,43 @@ def _round(args, seed):
     return ct, cand, predict, committed, prefix, bonus
 
 
+def _check_kv_move_on_a_real_pool(slots, path, acc_idx, commit, n, depth):
+    """The worker's KV move on a real MHATokenToKVPool (CPU, 3 layers): its one-launch path
+    (ddtree_utils.move_kv_rows on the pool's rows; the Triton kernel in the interpreter) and
+    the pool's own move_kv_cache in two copies leave the same bytes, and every committed slot
+    of every layer holds the KV of its path node."""
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.speculative.ddtree_info_v2 import (
+        ddtree_kv_move_locs,
+        ddtree_kv_path_locs,
+    )
+    from sglang.srt.speculative.ddtree_worker_v2 import DDTreeWorkerV2
+
+    bs = slots.shape[0]
+    size = int(slots.max()) + 1
+    pools = []
+    for _ in range(2):
+        pool = MHATokenToKVPool(size, 1, torch.float32, 2, 8, 3, "cpu", False, enable_kv_cache_copy=True)
+        for layer, buf in enumerate(pool.k_buffer + pool.v_buffer):
+            for b in range(bs):  # the KV of verify node j of request b in this layer
+                vals = (layer * 10000 + b * 100 + torch.arange(n)).float()
+                buf[slots[b, :n]] = vals.view(n, 1, 1).expand(n, *buf.shape[1:])
+        pools.append(pool)
+    fast, upstream = pools
+    worker = SimpleNamespace(_kv_rows=None, model_runner=SimpleNamespace(token_to_kv_pool=fast))
+    rows = DDTreeWorkerV2._target_kv_rows(worker)
+    assert rows and len(rows.buffers) == 6 and worker._kv_rows is rows
+    du.move_kv_rows(rows, *ddtree_kv_path_locs(slots, path, n, depth), backend="triton")
+    for tgt, src in ddtree_kv_move_locs(slots, path, n, depth):
+        upstream.move_kv_cache(tgt, src)
+    for layer, (a, b_) in enumerate(zip(fast.k_buffer + fast.v_buffer, upstream.k_buffer + upstream.v_buffer)):
+        for b in range(bs):
+            c = int(commit[b])
+            want = [layer * 10000 + b * 100 + int(j) for j in acc_idx[b, :c]]
+            assert a[slots[b, :c], 0, 0].tolist() == want
+            assert torch.equal(a[slots[b, : depth + 1]], b_[slots[b, : depth + 1]])
+
+
 @pytest.mark.parametrize("budget", [1, 15, 63])
 def test_round_accept_commit_and_kv_move(parse, budget):
     from sglang.srt.speculative.ddtree_info_v2 import (
@@ -349,6 +386,8 @@ def test_round_accept_commit_and_kv_move(parse, budget):
             c = int(commit[b])
             committed_slots = slots[b, :c]
             assert kv[committed_slots].tolist() == [b * 1000 + int(j) for j in acc_idx[b, :c]]
+
+        _check_kv_move_on_a_real_pool(slots, path, acc_idx, commit, n, depth)
 
         # what the scheduler's _resolve_spec_v2_tokens takes from the result: stride = block
         flat, lens = out.reshape(-1).tolist(), commit.tolist()
