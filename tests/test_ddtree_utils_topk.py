@@ -107,3 +107,45 @@ def test_merge_rejects_nan():
     lse = torch.tensor([[[0.0]], [[float("nan")]]])
     with pytest.raises(ValueError, match="NaN"):
         du.merge_shard_topk(vals, ids, lse, 3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [4096, 5003, 151936])
+@pytest.mark.parametrize("k", [1, 15, 63])
+def test_grouped_topk_equals_torch_topk(dtype, vocab, k):
+    """The grouped top-k (wide rows) returns torch.topk's values, sorted, and ids that hold them:
+    random rows, rows with many exact ties (bf16 steps), the maxima crowded into one group, a
+    tail past the last whole group (vocab 5003) and -inf rows."""
+    g = torch.Generator().manual_seed(vocab + k)
+    rows = torch.randn(6, vocab, generator=g).to(dtype)
+    rows[1] = torch.randint(0, 4, (vocab,), generator=g).to(dtype)  # heavy ties
+    rows[2, 64:64 + k + 5] = 50.0 + torch.arange(k + 5, dtype=torch.float32).to(dtype)  # one group
+    rows[3, -7:] = 100.0  # the maxima in the tail
+    rows[4] = float("-inf")
+    rows[5, ::2] = float("-inf")
+    x = rows.view(2, 3, vocab)
+    vals, ids = du._topk(x, k)
+    want = torch.topk(x, k, dim=-1).values
+    assert torch.equal(vals, want)
+    assert torch.equal(x.gather(-1, ids), vals)
+    assert all(len(set(r.tolist())) == k for r in ids.view(-1, k))  # distinct columns
+
+
+def test_draft_topk_logprobs_uses_the_grouped_topk_on_wide_rows(monkeypatch):
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(2, 3, 151936, generator=g)
+    widths = []
+    real_topk = torch.topk
+
+    def counting_topk(x, *args, **kwargs):
+        widths.append(x.shape[-1])
+        return real_topk(x, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "topk", counting_topk)
+    logp, ids = du.draft_topk_logprobs(logits, 15, backend="torch")
+    monkeypatch.undo()
+    assert widths == [151936 // 32, 15 * 32]  # group maxima, then the candidates; never the row
+    ref = torch.log_softmax(logits.double(), dim=-1)
+    want_logp, want_ids = torch.topk(ref, 15, dim=-1)
+    assert torch.equal(ids, want_ids)  # float32 random rows: no ties
+    torch.testing.assert_close(logp.double(), want_logp, atol=2e-5, rtol=0)
