@@ -142,39 +142,6 @@ def _logp_from(vals: Tensor, lse: Tensor) -> Tensor:
     return logp.clamp_max(0.0) + 0.0
 
 
-# Columns per group of the grouped top-k; it runs where its k * _TOPK_GROUP candidate columns
-# are at most 1 / _TOPK_GROUPED_MIN_RATIO of the row.
-_TOPK_GROUP = 32
-_TOPK_GROUPED_MIN_RATIO = 8
-
-
-def _topk(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """``torch.topk(x, k, dim=-1, largest=True, sorted=True)`` (values equal; ids of exactly tied
-    values may differ), in fewer passes over wide rows (a vocabulary):
-
-    the ``k`` largest values of a row lie in the ``k`` groups of ``_TOPK_GROUP`` adjacent columns
-    with the largest group maxima, plus the columns past the last whole group (every group holding
-    a value above the k-th largest has a larger maximum than any group without one, and ``k``
-    groups whose maxima reach the k-th largest hold at least ``k`` values that reach it). So: one
-    max over each group (a strided view, no copy), a top-k over the group maxima, a top-k over
-    the ``k * _TOPK_GROUP`` candidate columns. On an H200 at 240 x 151936 bf16, k = 15, torch's
-    own top-k takes about 0.33 ms. x: ``[..., V]``; returns ``(vals [..., k], ids [..., k] int64)``.
-    """
-    v, group = x.shape[-1], _TOPK_GROUP
-    groups = v // group
-    if k * group * _TOPK_GROUPED_MIN_RATIO > v or x.numel() == 0:
-        return torch.topk(x, k, dim=-1, largest=True, sorted=True)
-    gmax = x.unfold(-1, group, group).amax(dim=-1)  # [..., groups]
-    gidx = torch.topk(gmax, k, dim=-1, largest=True, sorted=False).indices  # [..., k]
-    offs = torch.arange(group, device=x.device)
-    cols = (gidx.unsqueeze(-1) * group + offs).flatten(-2)  # [..., k * group]
-    if groups * group < v:  # the tail past the last whole group
-        tail = torch.arange(groups * group, v, device=x.device)
-        cols = torch.cat([cols, tail.expand(*cols.shape[:-1], v - groups * group)], dim=-1)
-    vals, where = torch.topk(x.gather(-1, cols), k, dim=-1, largest=True, sorted=True)
-    return vals, cols.gather(-1, where)
-
-
 def draft_topk_logprobs(
     logits: Tensor,
     k: int,
@@ -215,7 +182,7 @@ def draft_topk_logprobs(
             torch.empty(shape, dtype=torch.float32, device=logits.device),
             torch.empty(shape, dtype=torch.int64, device=logits.device),
         )
-    vals, ids = _topk(logits, kk)
+    vals, ids = torch.topk(logits, kk, dim=-1, largest=True, sorted=True)
     kernel = not fused and _triton_ok(logits.device, backend)
     lse = _chunked_logsumexp(
         logits, chunk_size, vals[..., :1], fused=fused, kernel=kernel
@@ -239,7 +206,7 @@ def shard_topk_stats(
         ``(vals [bs, L, K] float32, ids [bs, L, K] int64 global, lse [bs, L] float32)``.
     """
     kk = min(k, logits_shard.shape[-1])
-    vals, ids = _topk(logits_shard, kk)
+    vals, ids = torch.topk(logits_shard, kk, dim=-1, largest=True, sorted=True)
     lse = _chunked_logsumexp(logits_shard, 32768, vals[..., :1])
     return vals.float(), ids + vocab_offset, lse
 
@@ -2014,7 +1981,7 @@ class KVRows(NamedTuple):
 
 def kv_rows(buffers) -> KVRows | None:
     """:class:`KVRows` of ``buffers`` (tensors on one device), or None when a buffer's slot
-    row is not one contiguous run of bytes (then move rows another way)."""
+    row is not one contiguous run of bytes (then move rows another way). No host sync."""
     buffers = tuple(buffers)
     if not buffers or len({b.device for b in buffers}) != 1:
         return None
@@ -2026,9 +1993,11 @@ def kv_rows(buffers) -> KVRows | None:
         if b.dim() > 1 and b.stride(0) * b.element_size() != sizes[-1]:
             return None
     device = buffers[0].device
-    ptrs = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64, device=device)
-    row_bytes = torch.tensor(sizes, dtype=torch.int64, device=device)
-    return KVRows(buffers, ptrs, row_bytes, max(sizes))
+    host = torch.tensor([[b.data_ptr() for b in buffers], sizes], dtype=torch.int64)
+    if device.type == "cuda":  # an asynchronous copy: no host wait, also inside a round
+        host = host.pin_memory()
+    table = host.to(device, non_blocking=True)
+    return KVRows(buffers, table[0], table[1], max(sizes))
 
 
 # Bytes of a slot row one program of the row-move kernel copies.

@@ -267,29 +267,3 @@ def test_triton_normaliser_equals_torch(k):
     graph.replay()
     want_lp, want_ids = du.draft_topk_logprobs(x.flip(-1), k, validate=False)
     assert torch.equal(g_lp, want_lp) and torch.equal(g_ids, want_ids)
-
-
-@pytest.mark.parametrize("k", [15, 63])
-def test_grouped_topk_equals_torch_topk_and_its_time(k):
-    """The grouped top-k at the proposer's shape (bs 16 x 15 draft positions of a 151936
-    vocabulary, bf16 from a matmul-like distribution): torch.topk's values, ids that hold
-    them; both timed with CUDA events (printed, not asserted)."""
-    gen = torch.Generator(device="cuda").manual_seed(k)
-    x = (torch.randn(16, 15, 151936, device="cuda", generator=gen) * 2).to(torch.bfloat16)
-    vals, ids = du._topk(x, k)
-    want = torch.topk(x, k, dim=-1)
-    assert torch.equal(vals, want.values)
-    assert torch.equal(x.gather(-1, ids), vals)
-
-    def ms(fn, reps=20):
-        fn()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / reps
-
-    print(f"\ntop-{k} of 240 x 151936 bf16: grouped {ms(lambda: du._topk(x, k)):.3f} ms, "
-          f"torch.topk {ms(lambda: torch.topk(x, k, dim=-1)):.3f} ms")

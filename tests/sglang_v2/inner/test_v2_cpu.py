@@ -333,6 +333,7 @@ def _check_kv_move_on_a_real_pool(slots, path, acc_idx, commit, n, depth):
     worker = SimpleNamespace(_kv_rows=None, model_runner=SimpleNamespace(token_to_kv_pool=fast))
     rows = DDTreeWorkerV2._target_kv_rows(worker)
     assert rows and len(rows.buffers) == 6 and worker._kv_rows is rows
+    assert DDTreeWorkerV2._target_kv_rows(worker) is rows  # built once
     du.move_kv_rows(rows, *ddtree_kv_path_locs(slots, path, n, depth), backend="triton")
     for tgt, src in ddtree_kv_move_locs(slots, path, n, depth):
         upstream.move_kv_cache(tgt, src)
@@ -342,6 +343,11 @@ def _check_kv_move_on_a_real_pool(slots, path, acc_idx, commit, n, depth):
             want = [layer * 10000 + b * 100 + int(j) for j in acc_idx[b, :c]]
             assert a[slots[b, :c], 0, 0].tolist() == want
             assert torch.equal(a[slots[b, : depth + 1]], b_[slots[b, : depth + 1]])
+    # a pool that replaces its buffers (a resize after graph capture) gets new rows
+    fast.k_buffer[0] = fast.k_buffer[0].clone()
+    again = DDTreeWorkerV2._target_kv_rows(worker)
+    assert again is not rows and again.buffers[0] is fast.k_buffer[0]
+    assert int(again.ptrs[0]) == fast.k_buffer[0].data_ptr()
 
 
 @pytest.mark.parametrize("budget", [1, 15, 63])
