@@ -55,6 +55,18 @@ SAMPLE_CONSTS = {"BLOCK": du._SAMPLE_BLOCK, "SBLOCK": du._SAMPLE_SBLOCK,
                  "NP": du._SAMPLE_PIVOTS, "MAX_PASSES": du._SAMPLE_MAX_PASSES,
                  "SEARCH": True}  # fmt: skip
 SAMPLE_NO_SEARCH = {**SAMPLE_CONSTS, "SEARCH": False}
+TREE_ATTN_PREFIX = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "indptr_ptr": "*i32",
+                    "indices_ptr": "*i64", "ws_o_ptr": "*fp32", "ws_lse_ptr": "*fp32", "N": "i32",
+                    "G": "i32", "D": "i32", "S": "i32", "RB": "i32", "q_s0": "i32", "q_s1": "i32",
+                    "k_s0": "i32", "k_s1": "i32", "v_s0": "i32", "v_s1": "i32",
+                    "sm_scale": "fp32"}  # fmt: skip
+TREE_ATTN_TREE = {"q_ptr": "*bf16", "kt_ptr": "*bf16", "vt_ptr": "*bf16", "indptr_ptr": "*i32",
+                  "mask_ptr": "*i1", "mask_indptr_ptr": "*i32", "ws_o_ptr": "*fp32",
+                  "ws_lse_ptr": "*fp32", "o_ptr": "*bf16", "N": "i32", "G": "i32", "D": "i32",
+                  "S": "i32", "RB": "i32", "q_s0": "i32", "q_s1": "i32", "kt_s0": "i32",
+                  "kt_s1": "i32", "vt_s0": "i32", "vt_s1": "i32", "o_s0": "i32", "o_s1": "i32",
+                  "sm_scale": "fp32"}  # fmt: skip
+TREE_ATTN_CONSTS = {"BLOCK_R": du._TREE_ATTN_ROWS, "BLOCK_N": du._TREE_ATTN_KEYS, "BLOCK_D": 128}
 KV_MOVE = {"ptrs_ptr": "*i64", "row_bytes_ptr": "*i64", "tgt_ptr": "*i64", "src_ptr": "*i64",
            "K": "i32"}  # fmt: skip
 
@@ -78,6 +90,9 @@ CASES = [
     # the KV path move for depth + 1 = 2 and 16 rows per request
     (du._move_kv_rows_kernel, KV_MOVE, {"KP": 2, "TILE": du._KV_MOVE_TILE}, 4),
     (du._move_kv_rows_kernel, KV_MOVE, {"KP": 16, "TILE": du._KV_MOVE_TILE}, 4),
+    # the tree-verify attention at head dim 128, bf16 (Qwen3 shapes)
+    (du._tree_attn_prefix_kernel, TREE_ATTN_PREFIX, TREE_ATTN_CONSTS, 4),
+    (du._tree_attn_tree_kernel, TREE_ATTN_TREE, TREE_ATTN_CONSTS, 4),
 ]
 
 

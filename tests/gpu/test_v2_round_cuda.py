@@ -229,3 +229,60 @@ def test_move_kv_rows_equals_the_two_copy_move(bs):
     # warm (second) timings of both, printed for the record (not asserted)
     one, two = events(lambda: ddtree_utils.move_kv_rows(rows, tgt, src)), events(two_copies)
     print(f"\nKV path move bs {bs}: move_kv_rows {one:.3f} ms, two move_kv_cache copies {two:.3f} ms")
+
+
+@pytest.mark.parametrize("bs,budget", [(1, 15), (16, 15), (16, 63), (32, 15), (4, 255)])
+def test_tree_verify_attention_equals_the_extend_kernel(bs, budget):
+    """ddtree_utils.tree_verify_attention (bf16, Qwen3-8B heads: 32 q / 8 kv, head dim 128,
+    prefixes of 300-700 tokens, a DDTree mask) against SGLang's own extend kernel with the same
+    FULL mask and the float32 reference; both kernels timed with CUDA events (printed)."""
+    from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd
+
+    n, hq, hkv, dim = budget + 1, 32, 8, 128
+    gen = torch.Generator(device="cuda").manual_seed(bs + budget)
+    plens = torch.randint(300, 700, (bs,), device="cuda", generator=gen)
+    slots = int(plens.sum()) + 64
+    kb = torch.randn(slots, hkv, dim, device="cuda", generator=gen).to(torch.bfloat16)
+    vb = torch.randn(slots, hkv, dim, device="cuda", generator=gen).to(torch.bfloat16)
+    indptr = torch.zeros(bs + 1, dtype=torch.int32, device="cuda")
+    indptr[1:] = plens.cumsum(0)
+    indices = torch.randperm(slots - 1, device="cuda", generator=gen)[: int(indptr[-1])] + 1
+    q = torch.randn(bs * n, hq, dim, device="cuda", generator=gen).to(torch.bfloat16)
+    kt = torch.randn(bs * n, hkv, dim, device="cuda", generator=gen).to(torch.bfloat16)
+    vt = torch.randn(bs * n, hkv, dim, device="cuda", generator=gen).to(torch.bfloat16)
+    ct, *_ = _round(budget, bs, bs)
+    mask = ddtree_utils.tree_custom_mask(ct.tree_mask, plens.tolist()).cuda()
+    sizes = n * (plens + n)
+    mask_indptr = torch.zeros(bs + 1, dtype=torch.int64, device="cuda")
+    mask_indptr[1:] = sizes.cumsum(0)
+    qo_indptr = torch.arange(0, (bs + 1) * n, n, dtype=torch.int32, device="cuda")
+    scale = dim**-0.5
+    got = ddtree_utils.tree_verify_attention(
+        q, kb, vb, indptr, indices, kt, vt, mask, mask_indptr, n, scale)
+    ext = torch.empty_like(q)
+
+    def extend():
+        extend_attention_fwd(q, kt, vt, ext, kb, vb, qo_indptr, indptr, indices, mask, True,
+                             mask_indptr, n, 1.0, 1.0, scale)
+
+    extend()
+    want = ddtree_utils.tree_verify_attention_reference(
+        q, kb, vb, indptr, indices, kt, vt, mask, mask_indptr, n, scale)
+    err_tree = (got.float() - want.float()).abs().max().item()
+    err_ext = (ext.float() - want.float()).abs().max().item()
+    assert err_tree <= max(2 * err_ext, 2e-2), (err_tree, err_ext)
+
+    def ms(fn, reps=20):
+        fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / reps
+
+    t_tree = ms(lambda: ddtree_utils.tree_verify_attention(
+        q, kb, vb, indptr, indices, kt, vt, mask, mask_indptr, n, scale, out=got))
+    print(f"\ntree attention bs {bs} N {n}: split-KV {t_tree:.3f} ms/layer, extend kernel "
+          f"{ms(extend):.3f} ms/layer; max error vs float32 {err_tree:.4f} (extend {err_ext:.4f})")

@@ -494,3 +494,80 @@ def test_topk_formula_covers_the_reservation(parse):
 
         steps, topk = args.speculative_num_steps, args.speculative_eagle_topk
         assert topk == max(2, math.ceil(ddtree_decode_reserve_len(args) / (2 * steps)))
+
+
+def test_tree_attention_hook_is_opt_in(parse, monkeypatch):
+    from sglang.srt.layers.attention import triton_backend
+    from sglang.srt.speculative.ddtree_info_v2 import (
+        ddtree_tree_attention_hook,
+        ddtree_tree_verify_attention,
+    )
+
+    args = parse("--attention-backend triton --speculative-ddtree-budget 15")
+    monkeypatch.delenv("SGLANG_DDTREE_TREE_ATTENTION", raising=False)
+    assert ddtree_tree_attention_hook(args) is None
+    monkeypatch.setenv("SGLANG_DDTREE_TREE_ATTENTION", "1")
+    assert ddtree_tree_attention_hook(args) is ddtree_tree_verify_attention
+    assert ddtree_tree_attention_hook(parse("--attention-backend triton", algorithm="DFLASH")) is None
+    # the patched backend module imports the hook and calls it before its own verify kernels
+    src = Path(triton_backend.__file__).read_text()
+    assert "ddtree_tree_attention_hook(model_runner.server_args)" in src
+    assert src.index("self.ddtree_tree_attention(") < src.index("self.use_verify_splitkv\n")
+
+
+def test_tree_attention_hook_on_a_real_pool():
+    """ddtree_tree_verify_attention with the backend's metadata (stand-ins for the backend,
+    layer and forward batch: they need a model runner) over a real MHATokenToKVPool (CPU,
+    float32, the kernels in Triton's interpreter): the output equals
+    ddtree_utils.tree_verify_attention_reference, and every case it does not cover returns
+    False with the output untouched."""
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang.srt.speculative.ddtree_info_v2 import ddtree_tree_verify_attention
+
+    g = torch.Generator().manual_seed(0)
+    hq, hkv, dim, n, plens = 4, 2, 16, 6, (9, 40)
+    bs = len(plens)
+    pool = MHATokenToKVPool(256, 1, torch.float32, hkv, dim, 2, "cpu", False)
+    for buf in pool.k_buffer + pool.v_buffer:
+        buf.copy_(torch.randn(buf.shape, generator=g))
+    indptr = torch.tensor([0, plens[0], sum(plens)], dtype=torch.int32)
+    indices = torch.randperm(200, generator=g)[: sum(plens)].to(torch.int64) + 8
+    tree = torch.ones(bs, n, n, dtype=torch.bool).tril()
+    tree[:, 3, 1:3] = False  # node 3 is a child of the root, a sibling of 1 and 2
+    mask = du.tree_custom_mask(tree, list(plens))
+    mask_indptr = torch.tensor([0, n * (plens[0] + n), n * (sum(plens) + 2 * n)], dtype=torch.int32)
+    backend = SimpleNamespace(
+        forward_metadata=SimpleNamespace(custom_mask=mask, mask_indptr=mask_indptr),
+        page_size=1, token_to_kv_pool=pool, num_draft_tokens=n,
+    )
+    layer = SimpleNamespace(layer_id=1, tp_q_head_num=hq, tp_k_head_num=hkv, qk_head_dim=dim,
+                            v_head_dim=dim, scaling=0.25, xai_temperature_len=-1)
+    verify = SimpleNamespace(forward_mode=ForwardMode.TARGET_VERIFY)
+    q = torch.randn(bs * n, hq * dim, generator=g)
+    k = torch.randn(bs * n, hkv * dim, generator=g)
+    v = torch.randn(bs * n, hkv * dim, generator=g)
+    plain = dict(sliding_window_size=-1, logits_soft_cap=0.0, sinks=None, score_mod=None,
+                 k_descale=1.0, v_descale=1.0)
+    o = torch.zeros(bs * n, hq * dim)
+    assert ddtree_tree_verify_attention(backend, q, k, v, o, layer, verify, indptr, indices, **plain)
+    want = du.tree_verify_attention_reference(
+        q.view(-1, hq, dim), pool.k_buffer[1], pool.v_buffer[1], indptr, indices,
+        k.view(-1, hkv, dim), v.view(-1, hkv, dim), mask, mask_indptr, n, 0.25,
+    )
+    torch.testing.assert_close(o.view(-1, hq, dim), want, atol=1e-5, rtol=1e-5)
+    refused = [
+        ({}, SimpleNamespace(forward_mode=ForwardMode.DECODE)),
+        ({"sliding_window_size": 128}, verify),
+        ({"logits_soft_cap": 30.0}, verify),
+        ({"k_descale": 0.5}, verify),
+        ({"sinks": torch.zeros(hq)}, verify),
+    ]
+    for change, batch in refused:
+        out = torch.zeros_like(o)
+        assert not ddtree_tree_verify_attention(
+            backend, q, k, v, out, layer, batch, indptr, indices, **{**plain, **change}
+        )
+        assert not out.any()
+    backend.forward_metadata.custom_mask = None  # the draft's DFlash block: no tree mask
+    assert not ddtree_tree_verify_attention(backend, q, k, v, o, layer, verify, indptr, indices, **plain)
