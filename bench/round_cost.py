@@ -76,6 +76,10 @@ CONFIGS = {
     "ddtree_b15": SPEC.format(algo="DDTREE", draft="{draft}") + " --speculative-ddtree-budget 15",
     "ddtree_b63": SPEC.format(algo="DDTREE", draft="{draft}") + " --speculative-ddtree-budget 63",
 }
+# --tree-attention: the same DDTREE servers again with SGLANG_DDTREE_TREE_ATTENTION=1 (the
+# split-KV tree-verify attention of 0.5.16 patch 0008), measured in the same run.
+TREE_ATTENTION = {f"{name}_ta": CONFIGS[name] for name in ("ddtree_b15", "ddtree_b63")}
+SERVER_ENV = {name: {"SGLANG_DDTREE_TREE_ATTENTION": "1"} for name in TREE_ATTENTION}
 
 
 def post(port: int, body: dict, timeout: float = 300) -> list:
@@ -94,20 +98,24 @@ def timed(port: int, ids: list, new: int) -> tuple[float, int]:
 
 def table(res: list, bss: list) -> str:
     ms = {(r["config"], r["bs"]): r.get("round_ms") for r in res}
-    rows = ["| batch | " + " | ".join(CONFIGS) + " | b15 / DFLASH | b63 / DFLASH |", "|---" * (len(CONFIGS) + 3) + "|"]
+    names = list(dict.fromkeys(r["config"] for r in res))
+    ddtree = [c for c in names if c.startswith("ddtree")]
+    rows = ["| batch | " + " | ".join(names) + " | " + " | ".join(f"{c} / DFLASH" for c in ddtree) + " |",
+            "|---" * (len(names) + len(ddtree) + 1) + "|"]
     goals = []
     for bs in bss:
-        cells = [f"{ms.get((c, bs)):.2f}" if ms.get((c, bs)) else "-" for c in CONFIGS]
+        cells = [f"{ms.get((c, bs)):.2f}" if ms.get((c, bs)) else "-" for c in names]
         d = ms.get(("dflash", bs))
         ratios = []
-        for c in ("ddtree_b15", "ddtree_b63"):
+        for c in ddtree:
             v = ms.get((c, bs))
             ratios.append(f"{v / d:.3f}" if v and d else "-")
         rows.append(f"| {bs} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
-        if d and ms.get(("ddtree_b15", bs)):
-            goals.append((f"b15 <= 1.05x DFLASH at bs {bs}", ms[("ddtree_b15", bs)] / d <= 1.05))
-        if bs == 1 and d and ms.get(("ddtree_b63", bs)):
-            goals.append(("b63 <= 1.2x DFLASH at bs 1", ms[("ddtree_b63", bs)] / d <= 1.2))
+        for c in ddtree:
+            if d and c.startswith("ddtree_b15") and ms.get((c, bs)):
+                goals.append((f"{c} <= 1.05x DFLASH at bs {bs}", ms[(c, bs)] / d <= 1.05))
+            if bs == 1 and d and c.startswith("ddtree_b63") and ms.get((c, bs)):
+                goals.append((f"{c} <= 1.2x DFLASH at bs 1", ms[(c, bs)] / d <= 1.2))
     rows.append("")
     rows += [f"- {g}: {'met' if ok else 'MISSED'}" for g, ok in goals]
     return "\n".join(rows)
@@ -220,6 +228,8 @@ def main() -> int:
     ap.add_argument("--only", default="", help="comma-separated config names")
     ap.add_argument("--port", type=int, default=30100)
     ap.add_argument("--deadline", type=float, default=540, help="seconds for the whole run")
+    ap.add_argument("--tree-attention", action="store_true",
+                    help="also DDTREE b15/b63 with SGLANG_DDTREE_TREE_ATTENTION=1 (0.5.16 patch 0008)")
     ap.add_argument("--profile-bs", type=int, default=0,
                     help="also profile each server's GPU kernels over 20 rounds at this batch size")
     a = ap.parse_args()
@@ -229,7 +239,8 @@ def main() -> int:
         os.makedirs(f"/tmp/{name}", exist_ok=True)
         with open(f"/tmp/{name}/config.json", "w") as f:
             json.dump(cfg, f)
-    names = [n for n in CONFIGS if not a.only or n in a.only.split(",")]
+    configs = {**CONFIGS, **(TREE_ATTENTION if a.tree_attention else {})}
+    names = [n for n in configs if not a.only or n in a.only.split(",")]
     procs = {}
     for i, name in enumerate(names):
         port = a.port + 10 * i
@@ -237,10 +248,14 @@ def main() -> int:
             sys.executable, "-m", "sglang.launch_server", "--model-path", "/tmp/rc-target",
             "--load-format", "dummy", "--skip-tokenizer-init", "--host", "127.0.0.1", "--port", str(port),
             "--attention-backend", a.backend, *shlex.split(COMMON_BY_PIN[a.pin]),
-            *shlex.split(CONFIGS[name].format(draft="/tmp/rc-draft")),
+            *shlex.split(configs[name].format(draft="/tmp/rc-draft")),
         ]
         log = open(os.path.join(a.out, f"rc-{name}.log"), "w")  # noqa: SIM115 - lives with the server
-        env = dict(os.environ, SGLANG_DDTREE_PHASE_TIMES="1") if name.startswith("ddtree") else None
+        env = (
+            dict(os.environ, SGLANG_DDTREE_PHASE_TIMES="1", **SERVER_ENV.get(name, {}))
+            if name.startswith("ddtree")
+            else None
+        )
         procs[name] = (
             port,
             subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env),

@@ -51,3 +51,24 @@ def test_round_cost_phase_table_reads_the_workers_gpu_and_host_line(tmp_path):
     row = next(r for r in table.splitlines() if r.startswith("| ddtree_b15 | 4 | 50 |"))
     assert "3.000 (0.500)" in row  # verify: GPU 3.0, host 0.5
     assert row.endswith(f"| {sum(gpu.values()):.3f} ({sum(host.values()):.3f}) |")
+
+
+def test_round_cost_table_compares_every_ddtree_server_with_dflash_of_the_same_run():
+    rc = _load_round_cost()
+    res = [
+        {"config": "dflash", "bs": 1, "round_ms": 8.0},
+        {"config": "ddtree_b15", "bs": 1, "round_ms": 8.8},
+        {"config": "ddtree_b15_ta", "bs": 1, "round_ms": 8.2},
+        {"config": "ddtree_b63_ta", "bs": 1, "round_ms": 9.0},
+        {"config": "ddtree_b63_ta", "bs": 4, "error": "server not ready"},
+    ]
+    table = rc.table(res, [1, 4])
+    lines = table.splitlines()
+    assert lines[0] == ("| batch | dflash | ddtree_b15 | ddtree_b15_ta | ddtree_b63_ta | "
+                        "ddtree_b15 / DFLASH | ddtree_b15_ta / DFLASH | ddtree_b63_ta / DFLASH |")
+    assert lines[2] == "| 1 | 8.00 | 8.80 | 8.20 | 9.00 | 1.100 | 1.025 | 1.125 |"
+    assert lines[3] == "| 4 | - | - | - | - | - | - | - |"
+    assert "- ddtree_b15 <= 1.05x DFLASH at bs 1: MISSED" in lines
+    assert "- ddtree_b15_ta <= 1.05x DFLASH at bs 1: met" in lines
+    assert "- ddtree_b63_ta <= 1.2x DFLASH at bs 1: met" in lines
+    assert rc.SERVER_ENV["ddtree_b15_ta"] == {"SGLANG_DDTREE_TREE_ATTENTION": "1"}
