@@ -2156,6 +2156,21 @@ if triton is not None:
         return q, r, node, head, live
 
     @triton.jit
+    def _tree_attn_step(q, k, v, allowed, sm_scale, m, acc_l, acc):
+        """One online-softmax step over a block of keys: scores of the allowed (row, key)
+        pairs, running max m, sum acc_l and unnormalised output acc (rows with no allowed
+        key so far stay at -inf / 0)."""
+        sc = tl.dot(q, tl.trans(k.to(q.dtype))) * sm_scale
+        sc = tl.where(allowed, sc, float("-inf"))
+        m_new = tl.maximum(m, tl.max(sc, 1))
+        live = m_new > float("-inf")
+        alpha = tl.where(live, tl.exp(m - m_new), 1.0)
+        p = tl.where(live[:, None], tl.exp(sc - m_new[:, None]), 0.0)
+        acc_l = acc_l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+        return m_new, acc_l, acc
+
+    @triton.jit
     def _tree_attn_prefix_kernel(
         q_ptr, k_ptr, v_ptr,  # q [bs*N, Hq, D]; k/v cache [slots, Hkv, D]
         indptr_ptr, indices_ptr,  # [bs+1] i32/i64; [*] slots
@@ -2189,14 +2204,7 @@ if triton is not None:
             kmask = cm[:, None] & (d[None, :] < D)
             k = tl.load(k_ptr + slot[:, None] * k_s0 + kvh * k_s1 + d[None, :], mask=kmask, other=0.0)
             v = tl.load(v_ptr + slot[:, None] * v_s0 + kvh * v_s1 + d[None, :], mask=kmask, other=0.0)
-            sc = tl.dot(q, tl.trans(k.to(q.dtype))) * sm_scale
-            sc = tl.where(cm[None, :], sc, float("-inf"))
-            m_new = tl.maximum(m, tl.max(sc, 1))  # finite: every step has a live key
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(sc - m_new[:, None])
-            acc_l = acc_l * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
-            m = m_new
+            m, acc_l, acc = _tree_attn_step(q, k, v, cm[None, :], sm_scale, m, acc_l, acc)
         base = ((b * Hkv + kvh) * RB + rb) * S + s
         rows = tl.arange(0, BLOCK_R)
         has = acc_l > 0
@@ -2239,15 +2247,7 @@ if triton is not None:
             k = tl.load(kt_ptr + tok[:, None] * kt_s0 + kvh * kt_s1 + d[None, :], mask=kmask, other=0.0)
             v = tl.load(vt_ptr + tok[:, None] * vt_s0 + kvh * vt_s1 + d[None, :], mask=kmask, other=0.0)
             allow = tl.load(mask_ptr + row0[:, None] + j[None, :], mask=live[:, None] & jm[None, :], other=0)
-            sc = tl.dot(q, tl.trans(k.to(q.dtype))) * sm_scale
-            sc = tl.where(allow != 0, sc, float("-inf"))
-            m_new = tl.maximum(m, tl.max(sc, 1))
-            safe = m_new > float("-inf")  # rows with no live key yet in this block
-            alpha = tl.where(safe, tl.exp(m - m_new), 1.0)
-            p = tl.where(safe[:, None], tl.exp(sc - m_new[:, None]), 0.0)
-            acc_l = acc_l * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
-            m = m_new
+            m, acc_l, acc = _tree_attn_step(q, k, v, allow != 0, sm_scale, m, acc_l, acc)
         has = acc_l > 0
         lse_t = tl.where(has, m + tl.log(tl.where(has, acc_l, 1.0)), float("-inf"))
         out = acc / tl.where(has, acc_l, 1.0)[:, None]
