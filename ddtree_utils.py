@@ -2319,7 +2319,7 @@ def tree_verify_attention(
     g = hq // hkv
     rb = -(-(n * g) // _TREE_ATTN_ROWS)
     s = splits or tree_verify_splits(bs, hkv, rb, q.device)
-    bd = _pow2(dim)
+    bd = max(16, _pow2(dim))  # tl.dot needs K >= 16
     if out is None:
         out = torch.empty_like(q)
     if bs == 0:
