@@ -571,3 +571,36 @@ def test_tree_attention_hook_on_a_real_pool():
         assert not out.any()
     backend.forward_metadata.custom_mask = None  # the draft's DFlash block: no tree mask
     assert not ddtree_tree_verify_attention(backend, q, k, v, o, layer, verify, indptr, indices, **plain)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_tree_attention_equals_sglangs_extend_kernel(dtype):
+    """ddtree_utils.tree_verify_attention against SGLang 0.5.16's own Triton extend kernel on
+    the same FULL mask (both in Triton's interpreter): the mask layout, the prefix and the
+    ancestor rule as the backend uses them."""
+    from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd
+
+    g = torch.Generator().manual_seed(7)
+    hq, hkv, dim, n, plens = 4, 2, 16, 6, (0, 20, 70)
+    bs = len(plens)
+    logits = torch.randn(bs, 5, 9, generator=g) * 3
+    lp, ids = du.draft_topk_logprobs(logits, 3, backend="torch")
+    tree = du.build_tree_reference(lp, ids, n - 1)
+    zeros = torch.zeros(bs, dtype=torch.int64)
+    tree_mask = du.compile_tree(tree, zeros, zeros, backend="torch").tree_mask
+    mask = du.tree_custom_mask(tree_mask, list(plens))
+    mask_indptr = torch.tensor([0, *torch.tensor([n * (p + n) for p in plens]).cumsum(0).tolist()])
+    indptr = torch.tensor([0, *torch.tensor(plens).cumsum(0).tolist()], dtype=torch.int32)
+    indices = torch.randperm(120, generator=g)[: sum(plens)].to(torch.int64) + 4
+    kb = torch.randn(128, hkv, dim, generator=g).to(dtype)
+    vb = torch.randn(128, hkv, dim, generator=g).to(dtype)
+    q = torch.randn(bs * n, hq, dim, generator=g).to(dtype)
+    kt = torch.randn(bs * n, hkv, dim, generator=g).to(dtype)
+    vt = torch.randn(bs * n, hkv, dim, generator=g).to(dtype)
+    qo_indptr = torch.arange(0, (bs + 1) * n, n, dtype=torch.int32)
+    ext = torch.empty_like(q)
+    extend_attention_fwd(q, kt, vt, ext, kb, vb, qo_indptr, indptr, indices, mask, True,
+                         mask_indptr, n, 1.0, 1.0, 0.3)
+    got = du.tree_verify_attention(q, kb, vb, indptr, indices, kt, vt, mask, mask_indptr, n, 0.3)
+    tol = 1e-5 if dtype == torch.float32 else 3e-3
+    torch.testing.assert_close(got.float(), ext.float(), atol=tol, rtol=tol)
