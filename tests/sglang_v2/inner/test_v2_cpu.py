@@ -547,8 +547,8 @@ def test_tree_attention_hook_on_a_real_pool():
     q = torch.randn(bs * n, hq * dim, generator=g)
     k = torch.randn(bs * n, hkv * dim, generator=g)
     v = torch.randn(bs * n, hkv * dim, generator=g)
-    plain = dict(sliding_window_size=-1, logits_soft_cap=0.0, sinks=None, score_mod=None,
-                 k_descale=1.0, v_descale=1.0)
+    plain = {"sliding_window_size": -1, "logits_soft_cap": 0.0, "sinks": None, "score_mod": None,
+             "k_descale": 1.0, "v_descale": 1.0}
     o = torch.zeros(bs * n, hq * dim)
     assert ddtree_tree_verify_attention(backend, q, k, v, o, layer, verify, indptr, indices, **plain)
     want = du.tree_verify_attention_reference(
