@@ -6,8 +6,8 @@
 Qwen3-8B-shaped target (36 layers, hidden 4096, vocab 151936) and a 5-layer DFlash draft
 (block 16), dummy weights, so no draft token is ever accepted and every figure is the cost
 of one round. All servers start in parallel (KV capped with --max-total-tokens), then each is
-measured alone: `bs` prompts of 512 tokens, 8 then 136 new tokens, per-round
-ms = (t136 - t8) / (rounds136 - rounds8). Writes OUT/round_cost.json and OUT/round_cost.md
+measured alone, batch size by batch size (every server at one batch size before the next): `bs`
+prompts of 512 tokens, 8 then 136 new tokens, per-round ms = (t136 - t8) / (rounds136 - rounds8). Writes OUT/round_cost.json and OUT/round_cost.md
 (the table, ratios against DFLASH and the issue-12 goals: DDTREE b15 <= 1.05x DFLASH at every
 batch, b63 <= 1.2x at batch 1). DDTREE servers run with SGLANG_DDTREE_PHASE_TIMES=1 (0.5.16
 pin): the table adds their GPU time per phase of the round (draft+tree, mask, verify, accept,
@@ -277,17 +277,17 @@ def main() -> int:
         time.sleep(2)
     print(json.dumps({"ready": ready, "t": round(time.time() - t00)}), flush=True)
     bss = [int(x) for x in a.bs.split(",")]
-    res = []
+    res = [{"config": n, "error": "server not ready"} for n in procs if not ready.get(n)]
+    live = {n: port for n, (port, _) in procs.items() if ready.get(n)}
     profiles: dict = {}
-    for name, (port, _) in procs.items():
-        if not ready.get(name):
-            res.append({"config": name, "error": "server not ready"})
-            continue
-        rng = random.Random(0)
-        for bs in bss:
+    # Batch-major: every server is measured at one batch size before the next, so DFLASH and
+    # DDTREE at a batch size run minutes apart at most (the GPU's clock drifts a few % over a run).
+    rng = random.Random(0)
+    for bs in bss:
+        ids = [[rng.randrange(100, 150000) for _ in range(512)] for _ in range(bs)]
+        for name, port in live.items():
             if time.time() - t00 > a.deadline:
                 break
-            ids = [[rng.randrange(100, 150000) for _ in range(512)] for _ in range(bs)]
             try:
                 timed(port, ids, 8)
                 ts, cs = timed(port, ids, 8)
@@ -297,6 +297,7 @@ def main() -> int:
                 r = {"config": name, "bs": bs, "error": repr(e)[:200]}
             res.append(r)
             print(json.dumps(r), flush=True)
+    for name, port in live.items():
         if a.profile_bs and time.time() - t00 < a.deadline:
             ids = [[rng.randrange(100, 150000) for _ in range(512)] for _ in range(a.profile_bs)]
             try:
