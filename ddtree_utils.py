@@ -2171,6 +2171,13 @@ if triton is not None:
         return m_new, acc_l, acc
 
     @triton.jit
+    def _tree_attn_finish(m, acc_l, acc):
+        """(normalised output, log-sum-exp) of an online softmax; -inf for rows without keys."""
+        has = acc_l > 0
+        lse = tl.where(has, m + tl.log(tl.where(has, acc_l, 1.0)), float("-inf"))
+        return acc / tl.where(has, acc_l, 1.0)[:, None], lse
+
+    @triton.jit
     def _tree_attn_prefix_kernel(
         q_ptr, k_ptr, v_ptr,  # q [bs*N, Hq, D]; k/v cache [slots, Hkv, D]
         indptr_ptr, indices_ptr,  # [bs+1] i32/i64; [*] slots
@@ -2207,10 +2214,8 @@ if triton is not None:
             m, acc_l, acc = _tree_attn_step(q, k, v, cm[None, :], sm_scale, m, acc_l, acc)
         base = ((b * Hkv + kvh) * RB + rb) * S + s
         rows = tl.arange(0, BLOCK_R)
-        has = acc_l > 0
-        lse = tl.where(has, m + tl.log(tl.where(has, acc_l, 1.0)), float("-inf"))
+        o, lse = _tree_attn_finish(m, acc_l, acc)
         tl.store(ws_lse_ptr + base * BLOCK_R + rows, lse)
-        o = acc / tl.where(has, acc_l, 1.0)[:, None]
         tl.store(ws_o_ptr + (base * BLOCK_R + rows)[:, None] * BLOCK_D + d[None, :], o)
 
     @triton.jit
@@ -2248,9 +2253,7 @@ if triton is not None:
             v = tl.load(vt_ptr + tok[:, None] * vt_s0 + kvh * vt_s1 + d[None, :], mask=kmask, other=0.0)
             allow = tl.load(mask_ptr + row0[:, None] + j[None, :], mask=live[:, None] & jm[None, :], other=0)
             m, acc_l, acc = _tree_attn_step(q, k, v, allow != 0, sm_scale, m, acc_l, acc)
-        has = acc_l > 0
-        lse_t = tl.where(has, m + tl.log(tl.where(has, acc_l, 1.0)), float("-inf"))
-        out = acc / tl.where(has, acc_l, 1.0)[:, None]
+        out, lse_t = _tree_attn_finish(m, acc_l, acc)
         # merge: out = sum_k exp(lse_k - LSE) o_k over the tree part and the S prefix splits
         top = lse_t
         base = ((b * Hkv + kvh) * RB + rb) * S

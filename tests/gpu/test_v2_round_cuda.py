@@ -107,6 +107,18 @@ def test_proposer_graph_and_no_host_sync():
     assert bool(buf.all())
 
 
+def _gpu_ms(fn, reps: int = 20) -> float:
+    """Mean CUDA-event time of ``fn()`` over ``reps`` calls after one warm-up call."""
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
 def _host_ms_behind_queued_work(op, queued) -> float:
     """Host time of ``op()`` issued right behind ``queued()`` GPU work (worst of 3)."""
     import time
@@ -207,27 +219,20 @@ def test_move_kv_rows_equals_the_two_copy_move(bs):
     want = [buf[src.reshape(-1)].clone() for buf in pools[0].k_buffer + pools[0].v_buffer]
     rows = ddtree_utils.kv_rows(pools[0].k_buffer + pools[0].v_buffer)
 
-    def events(fn):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end)
-
-    one = events(lambda: ddtree_utils.move_kv_rows(rows, tgt, src))
+    ddtree_utils.move_kv_rows(rows, tgt, src)
 
     def two_copies():
         for t, s_ in info.ddtree_kv_move_locs(slots, path, n, depth):
             pools[1].move_kv_cache(t, s_)
 
-    two = events(two_copies)
+    two_copies()
+    torch.cuda.synchronize()
     for w, a, b in zip(want, pools[0].k_buffer + pools[0].v_buffer, pools[1].k_buffer + pools[1].v_buffer):
         assert torch.equal(a[tgt.reshape(-1)], w)  # every committed slot holds its path node's KV
         verify = slots[:, :n].reshape(-1)  # the two-copy move also writes the staging slots
         assert torch.equal(a[verify], b[verify])
-    # warm (second) timings of both, printed for the record (not asserted)
-    one, two = events(lambda: ddtree_utils.move_kv_rows(rows, tgt, src)), events(two_copies)
+    # timings of both after the check (repeating a move changes nothing checked), not asserted
+    one, two = _gpu_ms(lambda: ddtree_utils.move_kv_rows(rows, tgt, src)), _gpu_ms(two_copies)
     print(f"\nKV path move bs {bs}: move_kv_rows {one:.3f} ms, two move_kv_cache copies {two:.3f} ms")
 
 
@@ -272,17 +277,7 @@ def test_tree_verify_attention_equals_the_extend_kernel(bs, budget):
     err_ext = (ext.float() - want.float()).abs().max().item()
     assert err_tree <= max(2 * err_ext, 2e-2), (err_tree, err_ext)
 
-    def ms(fn, reps=20):
-        fn()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / reps
-
-    t_tree = ms(lambda: ddtree_utils.tree_verify_attention(
+    t_tree = _gpu_ms(lambda: ddtree_utils.tree_verify_attention(
         q, kb, vb, indptr, indices, kt, vt, mask, mask_indptr, n, scale, out=got))
     print(f"\ntree attention bs {bs} N {n}: split-KV {t_tree:.3f} ms/layer, extend kernel "
-          f"{ms(extend):.3f} ms/layer; max error vs float32 {err_tree:.4f} (extend {err_ext:.4f})")
+          f"{_gpu_ms(extend):.3f} ms/layer; max error vs float32 {err_tree:.4f} (extend {err_ext:.4f})")
