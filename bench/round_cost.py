@@ -6,8 +6,9 @@
 Qwen3-8B-shaped target (36 layers, hidden 4096, vocab 151936) and a 5-layer DFlash draft
 (block 16), dummy weights, so no draft token is ever accepted and every figure is the cost
 of one round. All servers start in parallel (KV capped with --max-total-tokens), then each is
-measured alone, batch size by batch size (every server at one batch size before the next): `bs`
-prompts of 512 tokens, 8 then 136 new tokens, per-round ms = (t136 - t8) / (rounds136 - rounds8). Writes OUT/round_cost.json and OUT/round_cost.md
+measured alone, batch size by batch size (every server at one batch size before the next):
+`bs` prompts of 512 tokens, 8 then 136 new tokens, per-round
+ms = (t136 - t8) / (rounds136 - rounds8). Writes OUT/round_cost.json and OUT/round_cost.md
 (the table, ratios against DFLASH and the issue-12 goals: DDTREE b15 <= 1.05x DFLASH at every
 batch, b63 <= 1.2x at batch 1). DDTREE servers run with SGLANG_DDTREE_PHASE_TIMES=1 (0.5.16
 pin): the table adds their GPU time per phase of the round (draft+tree, mask, verify, accept,
@@ -167,7 +168,7 @@ def profile_round(port: int, ids: list, out_dir: str, steps: int = 20) -> dict:
     worker.start()
     time.sleep(0.5)  # prefill done, decoding
     body = {"output_dir": out_dir, "num_steps": steps, "activities": ["GPU"], "with_stack": False}
-    req = urllib.request.Request(
+    req = urllib.request.Request(  # answers plain text, not JSON as /generate (post)
         f"http://127.0.0.1:{port}/start_profile", json.dumps(body).encode(), {"Content-Type": "application/json"}
     )
     urllib.request.urlopen(req, timeout=60).read()
