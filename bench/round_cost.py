@@ -98,8 +98,9 @@ def timed(port: int, ids: list, new: int) -> tuple[float, int]:
 
 
 def table(res: list, bss: list) -> str:
-    ms = {(r["config"], r["bs"]): r.get("round_ms") for r in res}
-    names = list(dict.fromkeys(r["config"] for r in res))
+    ms = {(r["config"], r.get("bs")): r.get("round_ms") for r in res}
+    names = list(dict.fromkeys(r["config"] for r in res if "bs" in r))
+    failed = [f"{r['config']} ({r['error']})" for r in res if "bs" not in r]
     ddtree = [c for c in names if c.startswith("ddtree")]
     rows = ["| batch | " + " | ".join(names) + " | " + " | ".join(f"{c} / DFLASH" for c in ddtree) + " |",
             "|---" * (len(names) + len(ddtree) + 1) + "|"]
@@ -118,6 +119,7 @@ def table(res: list, bss: list) -> str:
             if bs == 1 and d and c.startswith("ddtree_b63") and ms.get((c, bs)):
                 goals.append((f"{c} <= 1.2x DFLASH at bs 1", ms[(c, bs)] / d <= 1.2))
     rows.append("")
+    rows += [f"- not measured: {f}" for f in failed]
     rows += [f"- {g}: {'met' if ok else 'MISSED'}" for g, ok in goals]
     return "\n".join(rows)
 
