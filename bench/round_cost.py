@@ -77,10 +77,11 @@ CONFIGS = {
     "ddtree_b15": SPEC.format(algo="DDTREE", draft="{draft}") + " --speculative-ddtree-budget 15",
     "ddtree_b63": SPEC.format(algo="DDTREE", draft="{draft}") + " --speculative-ddtree-budget 63",
 }
-# --tree-attention: the same DDTREE servers again with SGLANG_DDTREE_TREE_ATTENTION=1 (the
-# split-KV tree-verify attention of 0.5.16 patch 0008), measured in the same run.
-TREE_ATTENTION = {f"{name}_ta": CONFIGS[name] for name in ("ddtree_b15", "ddtree_b63")}
-SERVER_ENV = {name: {"SGLANG_DDTREE_TREE_ATTENTION": "1"} for name in TREE_ATTENTION}
+# --extend-attention: the same DDTREE servers again with SGLANG_DDTREE_TREE_ATTENTION=0 (SGLang's
+# extend kernel verifies the tree instead of the split-KV tree attention that 0.5.16 patch 0008
+# uses by default on triton), measured in the same run.
+EXTEND_ATTENTION = {f"{name}_ext": CONFIGS[name] for name in ("ddtree_b15", "ddtree_b63")}
+SERVER_ENV = {name: {"SGLANG_DDTREE_TREE_ATTENTION": "0"} for name in EXTEND_ATTENTION}
 
 
 def post(port: int, body: dict, timeout: float = 300) -> list:
@@ -231,8 +232,9 @@ def main() -> int:
     ap.add_argument("--only", default="", help="comma-separated config names")
     ap.add_argument("--port", type=int, default=30100)
     ap.add_argument("--deadline", type=float, default=540, help="seconds for the whole run")
-    ap.add_argument("--tree-attention", action="store_true",
-                    help="also DDTREE b15/b63 with SGLANG_DDTREE_TREE_ATTENTION=1 (0.5.16 patch 0008)")
+    ap.add_argument("--extend-attention", action="store_true",
+                    help="also DDTREE b15/b63 with SGLANG_DDTREE_TREE_ATTENTION=0 (0.5.16: SGLang's "
+                         "extend kernel instead of patch 0008's tree attention)")
     ap.add_argument("--profile-bs", type=int, default=0,
                     help="also profile each server's GPU kernels over 20 rounds at this batch size")
     a = ap.parse_args()
@@ -242,7 +244,7 @@ def main() -> int:
         os.makedirs(f"/tmp/{name}", exist_ok=True)
         with open(f"/tmp/{name}/config.json", "w") as f:
             json.dump(cfg, f)
-    configs = {**CONFIGS, **(TREE_ATTENTION if a.tree_attention else {})}
+    configs = {**CONFIGS, **(EXTEND_ATTENTION if a.extend_attention else {})}
     names = [n for n in configs if not a.only or n in a.only.split(",")]
     procs = {}
     for i, name in enumerate(names):

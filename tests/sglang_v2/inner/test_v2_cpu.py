@@ -496,7 +496,7 @@ def test_topk_formula_covers_the_reservation(parse):
         assert topk == max(2, math.ceil(ddtree_decode_reserve_len(args) / (2 * steps)))
 
 
-def test_tree_attention_hook_is_opt_in(parse, monkeypatch):
+def test_tree_attention_hook_is_on_by_default_and_can_be_switched_off(parse, monkeypatch):
     from sglang.srt.layers.attention import triton_backend
     from sglang.srt.speculative.ddtree_info_v2 import (
         ddtree_tree_attention_hook,
@@ -505,9 +505,16 @@ def test_tree_attention_hook_is_opt_in(parse, monkeypatch):
 
     args = parse("--attention-backend triton --speculative-ddtree-budget 15")
     monkeypatch.delenv("SGLANG_DDTREE_TREE_ATTENTION", raising=False)
-    assert ddtree_tree_attention_hook(args) is None
+    assert ddtree_tree_attention_hook(args) is ddtree_tree_verify_attention
+    for off in ("0", "false", " OFF "):
+        monkeypatch.setenv("SGLANG_DDTREE_TREE_ATTENTION", off)
+        assert ddtree_tree_attention_hook(args) is None
     monkeypatch.setenv("SGLANG_DDTREE_TREE_ATTENTION", "1")
     assert ddtree_tree_attention_hook(args) is ddtree_tree_verify_attention
+    monkeypatch.setenv("SGLANG_DDTREE_TREE_ATTENTION", "maybe")
+    with pytest.raises(ValueError, match="SGLANG_DDTREE_TREE_ATTENTION='maybe': use 1 .* or 0"):
+        ddtree_tree_attention_hook(args)
+    monkeypatch.delenv("SGLANG_DDTREE_TREE_ATTENTION")
     assert ddtree_tree_attention_hook(parse("--attention-backend triton", algorithm="DFLASH")) is None
     # the patched backend module imports the hook and calls it before its own verify kernels
     src = Path(triton_backend.__file__).read_text()
