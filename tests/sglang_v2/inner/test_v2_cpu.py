@@ -613,3 +613,37 @@ def test_tree_attention_equals_sglangs_extend_kernel(dtype):
     got = du.tree_verify_attention(q, kb, vb, indptr, indices, kt, vt, mask, mask_indptr, n, 0.3)
     tol = 1e-5 if dtype == torch.float32 else 3e-3
     torch.testing.assert_close(got.float(), ext.float(), atol=tol, rtol=tol)
+
+
+def test_target_predict_samples_each_request_with_its_own_parameters():
+    """DDTreeWorkerV2._target_predict, the per-node target tokens of the tree walk: a greedy
+    request gets every node's argmax; a sampled request a token inside its own filter. The
+    per-request parameters are expanded request-major (row b * N + i = node i of request b)."""
+    from sglang.srt.speculative.ddtree_worker_v2 import DDTreeWorkerV2
+
+    torch.manual_seed(0)
+    n, bs, vocab = 5, 3, 50
+    logits = torch.randn(bs * n, vocab, generator=torch.Generator().manual_seed(1)) * 3
+    worker = SimpleNamespace(num_verify_tokens=n)
+    info = SimpleNamespace(
+        is_all_greedy=False,
+        temperatures=torch.tensor([[1.0], [0.7], [1.0]]),  # [bs, 1], as SGLang keeps them
+        top_ks=torch.tensor([1, 2, 1 << 30]),  # greedy, top-k 2, unset
+        top_ps=torch.ones(3),
+        min_ps=torch.tensor([0.0, 0.0, 0.6]),
+        need_top_k_sampling=True,
+        need_top_p_sampling=False,
+        need_min_p_sampling=True,
+    )
+    argmax = logits.argmax(-1).view(bs, n)
+    top2 = logits.topk(2, dim=-1).indices.view(bs, n, 2)
+    probs = torch.softmax(logits, -1).view(bs, n, vocab)  # request 2 runs at T = 1
+    min_p_ok = probs[2] >= 0.6 * probs[2].max(-1, keepdim=True).values  # [n, V]
+    draws = torch.stack([DDTreeWorkerV2._target_predict(worker, logits, info, bs) for _ in range(40)])
+    assert draws.shape == (40, bs, n) and draws.dtype == torch.int64
+    assert torch.equal(draws[:, 0], argmax[0].expand(40, n))
+    assert (draws[:, 1, :, None] == top2[1]).any(-1).all()
+    assert (draws[:, 1] != argmax[1]).any()  # it samples, not argmax every time
+    assert min_p_ok.gather(1, draws[:, 2].T).all()
+    info.is_all_greedy = True
+    assert torch.equal(DDTreeWorkerV2._target_predict(worker, logits, info, bs), argmax)
