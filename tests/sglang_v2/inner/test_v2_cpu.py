@@ -578,6 +578,14 @@ def test_tree_attention_hook_on_a_real_pool():
             backend, q, k, v, out, layer, batch, indptr, indices, **{**plain, **change}
         )
         assert not out.any()
+    # a KV cache in another dtype than q (an fp8 cache): the extend kernel's business
+    fp8 = MHATokenToKVPool(256, 1, torch.float8_e4m3fn, hkv, dim, 2, "cpu", False)
+    out = torch.zeros_like(o)
+    assert not ddtree_tree_verify_attention(
+        SimpleNamespace(**{**vars(backend), "token_to_kv_pool": fp8}),
+        q, k, v, out, layer, verify, indptr, indices, **plain,
+    )
+    assert not out.any()
     backend.forward_metadata.custom_mask = None  # the draft's DFlash block: no tree mask
     assert not ddtree_tree_verify_attention(backend, q, k, v, o, layer, verify, indptr, indices, **plain)
 
