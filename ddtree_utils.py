@@ -1238,7 +1238,8 @@ _SAMPLE_SBLOCK = 128  # columns per per-pivot sub-step of a search pass (divides
 _SAMPLE_PIVOTS = 16  # keys evaluated per search pass (lo, hi and 14 between)
 _SAMPLE_WARPS = 4  # num_warps of the kernel with the search (also tests/triton_aot.py)
 _SAMPLE_WARPS_NO_SEARCH = 8  # num_warps of the kernel compiled without it (as before the rework)
-_SAMPLE_MAX_PASSES = 48  # guard only: a pass shrinks hi - lo >= 15-fold, 2**32 keys
+_SAMPLE_MAX_PASSES = 48  # guard only: a key pass shrinks hi - lo >= 15-fold, 2**32 keys
+_SAMPLE_BUFFER_DIV = 8  # a search copies a row's bracket once it holds <= V / 8 tokens (f32 each)
 _TORCH_WORK_ELEMS = 1 << 20  # torch path: rows per chunk = this // V (at least one)
 
 
@@ -1393,6 +1394,18 @@ if triton is not None:
         return b.to(tl.float32, bitcast=True)
 
     @triton.jit
+    def _search_step(ss, sk, lo, hi, piv2, peak64, a_n, a_m, a_z):
+        """One sub-step of a search pass: the values ``ss`` (keys ``sk``) counted against every
+        pivot of ``piv2`` ([NP, 1]) into a_n (#gt + 65536 * #eq) and a_m (float64 mass strictly
+        above), keys outside [lo, hi] for none; a_z sums exp(s - peak) of every column."""
+        e = tl.exp(ss.to(tl.float64) - peak64)  # 0 for -inf (past V)
+        kb = tl.where((sk >= lo) & (sk <= hi), sk, lo - 1)[None, :]
+        gt = kb > piv2  # lo - 1 (outside the band) counts for no pivot
+        a_n += tl.where(gt, 1, tl.where(kb == piv2, 65536, 0))
+        a_m += tl.where(gt, e[None, :], 0.0)
+        return a_n, a_m, a_z + e
+
+    @triton.jit
     def _sample_rows_kernel(
         x_ptr,  # [R, V] logits, any float dtype, row stride x_stride
         temp_ptr,  # [R] f32 temperature (1 for greedy rows)
@@ -1403,6 +1416,7 @@ if triton is not None:
         seed_ptr,  # [1] i64 Philox seed of this call
         out_ptr,  # [R] i64 out: the sampled token
         thr_ptr,  # [R] f32 out: the kept set is s >= thr
+        buf_ptr,  # [R, CAP] f32 scratch: a row's bracketed values once they fit (CAP > 0)
         V,
         x_stride,
         BLOCK: tl.constexpr,
@@ -1410,6 +1424,7 @@ if triton is not None:
         NP: tl.constexpr,
         MAX_PASSES: tl.constexpr,
         SEARCH: tl.constexpr,
+        CAP: tl.constexpr,
     ):
         NEG = float("-inf")
         row = tl.program_id(0).to(tl.int64)
@@ -1453,11 +1468,27 @@ if triton is not None:
             n_hi = 0  # count strictly above hi (carried: hi only moves down)
             m_hi = tl.full([], 0.0, tl.float64)  # mass strictly above hi, unnormalised
             z = tl.full([], 1.0, tl.float64)  # sum of exp(s - peak), float64 (first pass)
+            # Pivots: linear in value between the bracket's ends (a flat row's bracket shrinks
+            # about NP - 1-fold a pass), or linear in key (the bracket's key range shrinks
+            # NP - 1-fold, whatever the values: the guard against a few far outliers, where
+            # value-linear pivots crawl). Value-linear after a value pass that shrank the
+            # bracket's count at least 4-fold, or after a key pass.
+            use_value = s_min > NEG
+            before = V  # tokens in the bracket before this pass (an upper bound at first)
+            n_buf = -1  # values copied to buf_ptr (-1: not yet; later passes read only those)
+            buf_row = buf_ptr + row * CAP
             while (inside > 0) & (passes < MAX_PASSES):
                 lo64 = lo.to(tl.int64)
                 hi64 = hi.to(tl.int64)
                 piv = lo64 + ((hi64 - lo64) * c) // (NP - 1)
+                v_lo = _value_of(lo).to(tl.float64)
+                v_hi = _value_of(hi).to(tl.float64)
+                by_value = use_value & (v_lo > NEG) & (v_hi < float("inf"))
+                if by_value:
+                    pv = (v_lo + (v_hi - v_lo) * c.to(tl.float64) / (NP - 1)).to(tl.float32)
+                    piv = _key_of(pv).to(tl.int64)
                 mid = (c > 0) & (c < NP - 1)
+                piv = tl.where(c == 0, lo64, tl.where(c == NP - 1, hi64, piv))
                 piv = tl.where(mid, tl.minimum(tl.maximum(piv, lo64 + 1), hi64 - 1), piv)
                 piv = piv.to(tl.int32)  # [NP] keys, lo = piv[0] <= ... <= piv[NP - 1] = hi
                 piv2 = piv[:, None]
@@ -1467,31 +1498,38 @@ if triton is not None:
                 # columns in SBLOCK sub-steps into [NP, SBLOCK] partials, reduced once. With
                 # SBLOCK == BLOCK (V <= 256) a step is its own sub-step: no band test, no
                 # re-read (the interpreter's cost is mostly nested jit calls and reductions).
+                # Once the bracket's tokens fit in CAP they are copied to buf_ptr and the
+                # later passes read that copy instead of the row.
                 first = passes == 0
                 a_n = tl.full([NP, SBLOCK], 0, tl.int32)  # per column: #gt + 65536 * #eq
                 a_m = tl.full([NP, SBLOCK], 0.0, tl.float64)
                 a_z = tl.full([SBLOCK], 0.0, tl.float64)
-                for start in range(0, V, BLOCK):
-                    s = _load_scaled(x_row, start + offs, V, temp)  # [BLOCK]
-                    key = _key_of(s)
-                    go = passes >= 0
-                    if SBLOCK < BLOCK:
-                        band = (key >= lo) & (key <= hi)
-                        go = first | (tl.max(band.to(tl.int32), axis=0) > 0)
-                    if go:
-                        for sub in range(0, BLOCK, SBLOCK):
-                            if SBLOCK < BLOCK:
-                                ss = _load_scaled(x_row, start + sub + soffs, V, temp)
-                                sk = _key_of(ss)  # [SBLOCK]
-                            else:
-                                ss = s
-                                sk = key
-                            e = tl.exp(ss.to(tl.float64) - peak64)  # 0 past V
-                            a_z += e
-                            kb = tl.where((sk >= lo) & (sk <= hi), sk, lo - 1)[None, :]
-                            gt = kb > piv2  # lo - 1 (outside the band) counts for no pivot
-                            a_n += tl.where(gt, 1, tl.where(kb == piv2, 65536, 0))
-                            a_m += tl.where(gt, e[None, :], 0.0)
+                if n_buf >= 0:
+                    for start in range(0, n_buf, SBLOCK):
+                        idx = start + soffs
+                        ss = tl.load(buf_row + idx, mask=idx < n_buf, other=float("-inf"))
+                        a_n, a_m, a_z = _search_step(
+                            ss, _key_of(ss), lo, hi, piv2, peak64, a_n, a_m, a_z
+                        )
+                else:
+                    for start in range(0, V, BLOCK):
+                        s = _load_scaled(x_row, start + offs, V, temp)  # [BLOCK]
+                        key = _key_of(s)
+                        go = passes >= 0
+                        if SBLOCK < BLOCK:
+                            band = (key >= lo) & (key <= hi)
+                            go = first | (tl.max(band.to(tl.int32), axis=0) > 0)
+                        if go:
+                            for sub in range(0, BLOCK, SBLOCK):
+                                if SBLOCK < BLOCK:
+                                    ss = _load_scaled(x_row, start + sub + soffs, V, temp)
+                                    sk = _key_of(ss)  # [SBLOCK]
+                                else:
+                                    ss = s
+                                    sk = key
+                                a_n, a_m, a_z = _search_step(
+                                    ss, sk, lo, hi, piv2, peak64, a_n, a_m, a_z
+                                )
                 if first:
                     z = tl.sum(a_z, axis=0)
                 n_gt = n_hi + tl.sum(a_n & 65535, axis=1)  # [NP] count strictly above each
@@ -1502,14 +1540,30 @@ if triton is not None:
                 new_lo = tl.max(tl.where(q, -2147483647 - 1, piv), axis=0)
                 new_hi = tl.min(tl.where(q, piv, 2147483647), axis=0)
                 gt_lo = tl.min(tl.where(q, 2147483647, n_gt), axis=0)
+                ge_lo = tl.min(tl.where(q, 2147483647, n_gt + n_eq), axis=0)  # count >= new_lo
                 ge_hi = tl.max(tl.where(q, n_gt + n_eq, 0), axis=0)
                 # at new_hi: n_gt and m_gt fall with the pivot, so their largest over q
                 n_hi = tl.max(tl.where(q, n_gt, 0), axis=0)
                 m_hi = tl.max(tl.where(q, m_gt, 0.0), axis=0)
                 inside = gt_lo - ge_hi
+                use_value = (~by_value) | (4 * inside <= before)
+                before = inside
                 lo = new_lo
                 hi = new_hi
                 passes += 1
+                if CAP > 0:
+                    n_band = ge_lo - n_hi  # tokens with a key in [lo, hi]
+                    if (n_buf < 0) & (inside > 0) & (n_band <= CAP):
+                        n_buf = 0
+                        for start in range(0, V, BLOCK):
+                            s = _load_scaled(x_row, start + offs, V, temp)
+                            key = _key_of(s)
+                            band = (key >= lo) & (key <= hi)
+                            nb = tl.sum(band.to(tl.int32), axis=0)
+                            if nb > 0:
+                                at = n_buf + tl.cumsum(band.to(tl.int32), axis=0) - 1
+                                tl.store(buf_row + at, s, mask=band)
+                                n_buf += nb
             thr_key = tl.where(search, hi, lo + 1)
         thr = tl.where(sample, _value_of(thr_key), peak)
 
@@ -1534,6 +1588,12 @@ if triton is not None:
         drawn = tl.where(drawn >= V, arg, drawn)
         tl.store(out_ptr + row, tl.where(sample, drawn, arg).to(tl.int64))
         tl.store(thr_ptr + row, thr)
+
+
+def _sample_buffer_cap(vocab: int, sblock: int) -> int:
+    """Columns of the search's per-row buffer: about V / 8, a whole number of sub-steps."""
+    per = -(-vocab // _SAMPLE_BUFFER_DIV)
+    return sblock * -(-per // sblock)
 
 
 def _sample_blocks(vocab: int) -> tuple[int, int]:
@@ -1563,7 +1623,10 @@ def _sample_rows_triton(
     greedy: Tensor,
     generator: torch.Generator | None,
     search: bool = True,
+    buffer_cap: int | None = None,
 ) -> tuple[Tensor, Tensor]:
+    """The sampling kernel over ``logits`` [R, V]. ``buffer_cap``: columns of the search's
+    per-row buffer (default :func:`_sample_buffer_cap`; 0: no buffer, every pass reads the row)."""
     rows, vocab = logits.shape
     x = logits if logits.stride(-1) == 1 else logits.contiguous()
     device = x.device
@@ -1576,11 +1639,13 @@ def _sample_rows_triton(
     if -(-vocab // sblock) >= 1 << 16:  # a search column's count of #gt + 65536 * #eq
         raise ValueError(f"vocabulary {vocab} too large for the sampling kernel")
     warps = _SAMPLE_WARPS if search else _SAMPLE_WARPS_NO_SEARCH
+    cap = 0 if not search else _sample_buffer_cap(vocab, sblock) if buffer_cap is None else buffer_cap
+    buf = torch.empty((rows, cap) if cap else (1,), dtype=torch.float32, device=device)
     _sample_rows_kernel[(rows,)](
         x, temp.contiguous(), kk.contiguous(), pp.contiguous(), log_mp.contiguous(),
-        greedy.to(torch.int8), seed, token, thr, vocab, x.stride(0),
+        greedy.to(torch.int8), seed, token, thr, buf, vocab, x.stride(0),
         BLOCK=block, SBLOCK=sblock, NP=_SAMPLE_PIVOTS,
-        MAX_PASSES=_SAMPLE_MAX_PASSES, SEARCH=search, num_warps=warps,
+        MAX_PASSES=_SAMPLE_MAX_PASSES, SEARCH=search, CAP=cap, num_warps=warps,
     )  # fmt: skip
     return token, thr
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""A/B of the target sampler's Triton kernel: main's (f22cdba, frozen below) against the current
-ddtree_utils one, kernel alone, on a GPU (issue 13 item 1: top_k / top_p rows cost 1.40-1.67x a
-greedy round).
+"""A/B of the target sampler's Triton kernel: main's (b3a4fd6: key-linear pivots, every pass
+reads the row; frozen below) against the current ddtree_utils one (value-linear pivots with a
+key-linear guard, and the per-row buffer of the bracket's values), kernel alone, on a GPU
+(issue 13 item 1: top_p rows cost 1.28-1.47x a greedy round).
 
 For R rows of V random logits at temperature T it times each kernel with CUDA events (median of
 --reps launches after a warm-up) for no filter, top_k 20, top_p 0.9, both, min_p 0.05 and min_p +
@@ -71,6 +72,7 @@ def main_sample_rows_kernel(
     SBLOCK: tl.constexpr,
     NP: tl.constexpr,
     MAX_PASSES: tl.constexpr,
+    SEARCH: tl.constexpr,
 ):
     NEG = float("-inf")
     row = tl.program_id(0).to(tl.int64)
@@ -78,23 +80,18 @@ def main_sample_rows_kernel(
     temp = tl.load(temp_ptr + row)
     greedy = tl.load(greedy_ptr + row) != 0
     offs = tl.arange(0, BLOCK)
-    # pass 1: max, sum of exp (online), smallest finite value, first argmax
+    # pass 1: max, smallest finite value, first argmax (the search sums its own float64
+    # softmax denominator, so no sum of exp here: rows without top-k / top-p never need it)
     m_v = tl.full([BLOCK], NEG, tl.float32)
-    z_v = tl.zeros([BLOCK], tl.float32)
     lo_v = tl.full([BLOCK], float("inf"), tl.float32)
     arg_v = tl.full([BLOCK], V, tl.int32)
     for start in range(0, V, BLOCK):
         cols = start + offs
         s = _load_scaled(x_row, cols, V, temp)
         arg_v = tl.where(s > m_v, cols, arg_v)
-        m_new = tl.maximum(m_v, s)
-        shift = tl.where(m_new > NEG, m_new, 0.0)  # lanes still all -inf add 0
-        z_v = z_v * tl.exp(m_v - shift) + tl.exp(s - shift)
-        m_v = m_new
+        m_v = tl.maximum(m_v, s)
         lo_v = tl.minimum(lo_v, tl.where(s > NEG, s, float("inf")))
     peak = tl.max(m_v, axis=0)
-    z = tl.sum(z_v * tl.exp(m_v - tl.where(peak > NEG, peak, 0.0)), axis=0)
-    lse = peak + tl.log(z)
     s_min = tl.min(lo_v, axis=0)
     arg = tl.min(tl.where(m_v == peak, arg_v, V), axis=0)
     arg = tl.where(arg >= V, 0, arg)
@@ -107,41 +104,76 @@ def main_sample_rows_kernel(
         _key_of(t_lo) - 1
     )  # Q(lo) is taken as false: no candidate lies at or below lo
     hi = _key_of(peak)  # Q(max) is true: nothing lies strictly above the max
-    search = sample & ((kk < V) | (pp < float("inf")))
-    inside = tl.where(search, 1, 0)
-    passes = 0
-    c = tl.arange(0, NP)
-    soffs = tl.arange(0, SBLOCK)
-    while (inside > 0) & (passes < MAX_PASSES):
-        lo64 = lo.to(tl.int64)
-        hi64 = hi.to(tl.int64)
-        piv = lo64 + ((hi64 - lo64) * c) // (NP - 1)
-        mid = (c > 0) & (c < NP - 1)
-        piv = tl.where(mid, tl.minimum(tl.maximum(piv, lo64 + 1), hi64 - 1), piv)
-        piv = piv.to(tl.int32)
-        n_gt = tl.zeros([NP], tl.int32)
-        n_eq = tl.zeros([NP], tl.int32)
-        m_gt = tl.zeros([NP], tl.float64)
-        for start in range(0, V, SBLOCK):
-            cols = start + soffs
-            s = _load_scaled(x_row, cols, V, temp)
-            key = _key_of(s)
-            prob = tl.exp(s - lse)
-            gt = key[:, None] > piv[None, :]
-            n_gt += tl.sum(gt.to(tl.int32), axis=0)
-            n_eq += tl.sum((key[:, None] == piv[None, :]).to(tl.int32), axis=0)
-            m_gt += tl.sum(tl.where(gt, prob[:, None], 0.0), axis=0).to(tl.float64)
-        q = (n_gt < kk) & (m_gt < pp.to(tl.float64))
-        q = (q & (c > 0)) | (c == NP - 1)
-        new_lo = tl.max(tl.where(q, -2147483647 - 1, piv), axis=0)
-        new_hi = tl.min(tl.where(q, piv, 2147483647), axis=0)
-        gt_lo = tl.min(tl.where(q, 2147483647, n_gt), axis=0)
-        ge_hi = tl.max(tl.where(q, n_gt + n_eq, 0), axis=0)
-        inside = gt_lo - ge_hi
-        lo = new_lo
-        hi = new_hi
-        passes += 1
-    thr_key = tl.where(search, hi, lo + 1)
+    thr_key = lo + 1  # min-p (or no limit) only
+    if SEARCH:  # compiled out when the caller knows that no row has top-k / top-p
+        search = sample & ((kk < V) | (pp < float("inf")))
+        inside = tl.where(search, 1, 0)
+        passes = 0
+        c = tl.arange(0, NP)
+        soffs = tl.arange(0, SBLOCK)
+        peak64 = peak.to(tl.float64)
+        pp64 = pp.to(tl.float64)
+        n_hi = 0  # count strictly above hi (carried: hi only moves down)
+        m_hi = tl.full([], 0.0, tl.float64)  # mass strictly above hi, unnormalised
+        z = tl.full([], 1.0, tl.float64)  # sum of exp(s - peak), float64 (first pass)
+        while (inside > 0) & (passes < MAX_PASSES):
+            lo64 = lo.to(tl.int64)
+            hi64 = hi.to(tl.int64)
+            piv = lo64 + ((hi64 - lo64) * c) // (NP - 1)
+            mid = (c > 0) & (c < NP - 1)
+            piv = tl.where(mid, tl.minimum(tl.maximum(piv, lo64 + 1), hi64 - 1), piv)
+            piv = piv.to(tl.int32)  # [NP] keys, lo = piv[0] <= ... <= piv[NP - 1] = hi
+            piv2 = piv[:, None]
+            # Tokens above hi count for every pivot (all <= hi) and are carried from the
+            # last pass; tokens below lo count for none. Only BLOCK steps holding a token
+            # in [lo, hi] (all of them in the first pass, which also sums z) redo their
+            # columns in SBLOCK sub-steps into [NP, SBLOCK] partials, reduced once. With
+            # SBLOCK == BLOCK (V <= 256) a step is its own sub-step: no band test, no
+            # re-read (the interpreter's cost is mostly nested jit calls and reductions).
+            first = passes == 0
+            a_n = tl.full([NP, SBLOCK], 0, tl.int32)  # per column: #gt + 65536 * #eq
+            a_m = tl.full([NP, SBLOCK], 0.0, tl.float64)
+            a_z = tl.full([SBLOCK], 0.0, tl.float64)
+            for start in range(0, V, BLOCK):
+                s = _load_scaled(x_row, start + offs, V, temp)  # [BLOCK]
+                key = _key_of(s)
+                go = passes >= 0
+                if SBLOCK < BLOCK:
+                    band = (key >= lo) & (key <= hi)
+                    go = first | (tl.max(band.to(tl.int32), axis=0) > 0)
+                if go:
+                    for sub in range(0, BLOCK, SBLOCK):
+                        if SBLOCK < BLOCK:
+                            ss = _load_scaled(x_row, start + sub + soffs, V, temp)
+                            sk = _key_of(ss)  # [SBLOCK]
+                        else:
+                            ss = s
+                            sk = key
+                        e = tl.exp(ss.to(tl.float64) - peak64)  # 0 past V
+                        a_z += e
+                        kb = tl.where((sk >= lo) & (sk <= hi), sk, lo - 1)[None, :]
+                        gt = kb > piv2  # lo - 1 (outside the band) counts for no pivot
+                        a_n += tl.where(gt, 1, tl.where(kb == piv2, 65536, 0))
+                        a_m += tl.where(gt, e[None, :], 0.0)
+            if first:
+                z = tl.sum(a_z, axis=0)
+            n_gt = n_hi + tl.sum(a_n & 65535, axis=1)  # [NP] count strictly above each
+            n_eq = tl.sum(a_n >> 16, axis=1)  # [NP] count equal to each pivot
+            m_gt = m_hi + tl.sum(a_m, axis=1)  # [NP] unnormalised mass strictly above
+            q = (n_gt < kk) & (m_gt / z < pp64)
+            q = (q & (c > 0)) | (c == NP - 1)
+            new_lo = tl.max(tl.where(q, -2147483647 - 1, piv), axis=0)
+            new_hi = tl.min(tl.where(q, piv, 2147483647), axis=0)
+            gt_lo = tl.min(tl.where(q, 2147483647, n_gt), axis=0)
+            ge_hi = tl.max(tl.where(q, n_gt + n_eq, 0), axis=0)
+            # at new_hi: n_gt and m_gt fall with the pivot, so their largest over q
+            n_hi = tl.max(tl.where(q, n_gt, 0), axis=0)
+            m_hi = tl.max(tl.where(q, m_gt, 0.0), axis=0)
+            inside = gt_lo - ge_hi
+            lo = new_lo
+            hi = new_hi
+            passes += 1
+        thr_key = tl.where(search, hi, lo + 1)
     thr = tl.where(sample, _value_of(thr_key), peak)
 
     # last pass: Gumbel-max over s >= thr (chunks without a kept token draw no noise)
@@ -168,27 +200,29 @@ def main_sample_rows_kernel(
 
 
 def main_kernel(x, temp, kk, pp, log_mp, greedy):
-    """main's launch: BLOCK 1024, SBLOCK 256, 16 keys, 8 warps. Returns (token, thr)."""
+    """main's launch (b3a4fd6..): BLOCK 1024, SBLOCK 128, 16 keys, 4 warps. Returns (token, thr)."""
     rows, vocab = x.shape
     seed = torch.randint(0, 1 << 62, (1,), dtype=torch.int64, device=x.device)
     token = torch.empty(rows, dtype=torch.int64, device=x.device)
     thr = torch.empty(rows, dtype=torch.float32, device=x.device)
+    block, sblock = du._sample_blocks(vocab)
     main_sample_rows_kernel[(rows,)](
         x, temp, kk, pp, log_mp, greedy.to(torch.int8), seed, token, thr, vocab, x.stride(0),
-        BLOCK=1024, SBLOCK=256, NP=16, MAX_PASSES=48, num_warps=8,
+        BLOCK=block, SBLOCK=sblock, NP=16, MAX_PASSES=48, SEARCH=True, num_warps=4,
     )  # fmt: skip
     return token, thr
 
 
-def new_kernel(warps: int, sblock: int, search: bool):
-    """The current kernel (du._sample_rows_triton) with this launch configuration."""
+def new_kernel(warps: int, sblock: int, search: bool, buffer_cap: int | None = None):
+    """The current kernel (du._sample_rows_triton) with this launch configuration
+    (``buffer_cap`` 0: without the search's per-row buffer)."""
 
     def run(x, temp, kk, pp, log_mp, greedy):
         old = du._SAMPLE_WARPS, du._SAMPLE_WARPS_NO_SEARCH, du._SAMPLE_SBLOCK
         du._SAMPLE_WARPS = du._SAMPLE_WARPS_NO_SEARCH = warps
         du._SAMPLE_SBLOCK = sblock
         try:
-            return du._sample_rows_triton(x, temp, kk, pp, log_mp, greedy, None, search)
+            return du._sample_rows_triton(x, temp, kk, pp, log_mp, greedy, None, search, buffer_cap)
         finally:
             du._SAMPLE_WARPS, du._SAMPLE_WARPS_NO_SEARCH, du._SAMPLE_SBLOCK = old
 
@@ -259,7 +293,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--chunk", type=int, default=256, help="reference rows per chunk")
     ap.add_argument("--cases", nargs="+", default=list(CASES))
-    ap.add_argument("--configs", nargs="+", default=["4x256", "8x256", "8x128", "4x128"],
+    ap.add_argument("--configs", nargs="+", default=["4x128", "8x128", "4x64"],
                     help="current kernel's WARPSxSBLOCK launch configurations")  # fmt: skip
     ap.add_argument("--smoke", action="store_true", help="CPU + Triton interpreter, 4 x 2048, 1 rep")
     ap.add_argument("--out")
@@ -279,7 +313,7 @@ def main() -> int:
     results, wrong = [], 0
     print(f"{args.rows} rows x V {args.vocab}, T {args.temp}, {args.dtype}, "
           f"{torch.cuda.get_device_name() if cuda else 'CPU (Triton interpreter)'}")  # fmt: skip
-    print(f"{'case':<20} {'kernel':<26} {'ms':>9} {'vs main':>8} {'rows off':>8}  worst margin")
+    print(f"{'case':<20} {'kernel':<34} {'ms':>9} {'vs main':>8} {'rows off':>8}  worst margin")
     for name in args.cases:
         k, p, mp = CASES[name]
         params = du._sampling_rows(args.rows, args.vocab, device, args.temp, k, p, mp)
@@ -290,10 +324,11 @@ def main() -> int:
             dense = du.target_probs_from_logits(x, args.temp, k, p, mp) > 0
             assert torch.equal(ref, dense), name
         no_filter = not du._may_filter(k, p, args.vocab)
-        variants = [("main 8w", main_kernel)]
+        variants = [("main 4w", main_kernel)]
         for cfg in args.configs:
             w, sb = (int(v) for v in cfg.split("x"))
             variants.append((f"new {w}w SBLOCK {sb}", new_kernel(w, sb, True)))
+            variants.append((f"new {w}w SBLOCK {sb} no buffer", new_kernel(w, sb, True, 0)))
         if no_filter:  # what sample_from_logits launches when the host knows
             for w in sorted({int(c.split("x")[0]) for c in args.configs}):
                 variants.append((f"new {w}w no search", new_kernel(w, du._SAMPLE_SBLOCK, False)))

@@ -311,6 +311,40 @@ def test_kernel_without_search_matches_the_search_kernel():
     assert torch.equal(draws[0], draws[1]) and torch.equal(draws[0], draws[2])
 
 
+@pytest.mark.parametrize("vocab", [300, 1500])
+def test_search_buffer_and_pivot_switch_keep_the_exact_sets(vocab):
+    """The threshold search with its per-row buffer (the bracket's values copied once they fit in
+    about V / 8 columns, later passes reading only those) and without it (every pass reads the
+    row): both keep the float64 rule's set on flat, peaked and tied rows and on rows with a few
+    logits biased to -1e30 or 1e4 (far outliers, where value-linear pivots would crawl and the
+    search switches to key-linear ones), and from one seed draw the same tokens. V = 300 and
+    1500 have SBLOCK < BLOCK (band test per step), unlike the small-V tests above."""
+    gen = torch.Generator().manual_seed(41)
+    rows = 16
+    x = torch.randn(rows, vocab, generator=gen)
+    x[0:4] *= 0.01  # flat rows: top_p's bracket stays dense for several passes
+    x[4:8] *= 4.0  # peaked
+    x[8:10] = torch.randint(-3, 4, (2, vocab), generator=gen).float()  # many exact ties
+    x[10:12, :7] = -1e30  # a few tokens biased far down (finite after / T)
+    x[12:14, :3] = 1e4  # a few tokens far above the rest
+    temp = torch.full((rows,), 0.7)
+    top_k = torch.where(torch.arange(rows) % 3 == 0, 20, TOP_K_ALL)
+    top_p = torch.where(torch.arange(rows) % 3 == 2, 1.0, 0.9)
+    top_p[14:] = torch.tensor([0.3, 0.999])
+    ref = du.target_probs_from_logits(x, temp, top_k, top_p) > 0
+    params = du._sampling_rows(rows, vocab, x.device, temp, top_k, top_p, None)
+    assert du._sample_buffer_cap(vocab, du._sample_blocks(vocab)[1]) < vocab
+    draws = []
+    for cap in (None, 0):
+        seed = torch.Generator().manual_seed(3)
+        token, thr = du._sample_rows_triton(x, *params, seed, True, buffer_cap=cap)
+        kept = x / temp.view(rows, 1) >= thr.view(rows, 1)
+        assert torch.equal(kept, ref), (cap, (kept != ref).any(dim=1).nonzero().view(-1).tolist())
+        assert ref.gather(1, token.view(rows, 1)).all()
+        draws.append(token)
+    assert torch.equal(draws[0], draws[1])
+
+
 def test_sampling_block_sizes_follow_the_vocabulary():
     """The interpreter tests' small V get small blocks; V >= 1024 keeps the GPU configuration."""
     assert du._sample_blocks(12) == (16, 16)
