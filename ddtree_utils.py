@@ -1212,12 +1212,18 @@ def verify_sampling_reference(
 # Q true. The Triton kernel keeps two keys lo < hi with Q(lo) false (or lo below every candidate)
 # and Q(hi) true, and each pass over the row evaluates Q at NP keys spread over [lo, hi]
 # (count and mass strictly above each), moving lo and hi to the tightest ones; it stops when no
-# token lies strictly between lo and hi, and then the kept set is {s >= hi} exactly. Each pass
-# shrinks hi - lo at least 15-fold, so at most ten passes (eight on random float32 logits). A
-# pass streams the row in BLOCK steps: tokens above hi count for every key and were counted by
-# the last pass (hi only moves down), tokens below lo count for none, so only steps holding a
-# token in [lo, hi] (all of them in the first pass) redo their columns in SBLOCK sub-steps into
-# [NP, SBLOCK] per-column partials, reduced once per pass; rows without top-k / top-p skip the
+# token lies strictly between lo and hi, and then the kept set is {s >= hi} exactly. The keys
+# are spread linearly in value (a flat row's bracket then holds about 15-fold fewer tokens each
+# pass), or linearly in key after a value pass that shrank the bracket less than 4-fold (a few
+# far outliers): a key pass shrinks hi - lo at least 15-fold, so the search always ends (at most
+# about twenty passes; six to eight on random float32 logits). A pass streams the row in BLOCK
+# steps: tokens above hi count for every key and were counted by the last pass (hi only moves
+# down), tokens below lo count for none, so only steps holding a token in [lo, hi] (all of them
+# in the first pass) redo their columns in SBLOCK sub-steps into [NP, SBLOCK] per-column
+# partials, reduced once per pass. Once [lo, hi] holds at most about V / 8 tokens, they are
+# copied to a per-row buffer and the later passes read that copy instead of the row (a top_p
+# bracket on a flat row otherwise touches every BLOCK step for three or four passes). Rows
+# without top-k / top-p skip the
 # search (and a launch known to have none compiles it out). Masses are float64 throughout,
 # exp(s - max) / sum with the sum taken in the first pass, as the dense reference's softmax:
 # the kept set is the float64 rule's, also for a top_p within float32 rounding of a token's
@@ -1738,7 +1744,8 @@ def sample_from_logits(
     probability mass of the strictly larger tokens is below top_p, and ``p_i >= min_p * p_max``;
     draw from the kept tokens renormalised. Ties at the threshold are all kept; greedy rows
     give the first argmax. No host synchronisation and fixed shapes on either backend (CUDA
-    graph capturable; the Triton path allocates only ``O(R)``, the torch path works on at most
+    graph capturable; the Triton path allocates ``O(R)`` plus, when it searches, a per-row
+    buffer of about V / 8 float32 (1/8 of float32 logits), the torch path works on at most
     ``max(1, 2**20 // V)`` rows at a time). Rows whose logits are all -inf give token 0; NaN or
     +inf logits are not supported.
     """
