@@ -314,8 +314,8 @@ def test_kernel_without_search_matches_the_search_kernel():
 @pytest.mark.parametrize("vocab", [300, 1500])
 def test_search_buffer_and_pivot_switch_keep_the_exact_sets(vocab):
     """The threshold search with its per-row buffer (the bracket's values copied once they fit in
-    about V / 8 columns, later passes reading only those) and without it (every pass reads the
-    row): both keep the float64 rule's set on flat, peaked and tied rows and on rows with a few
+    about V / 8 columns, or 16, later passes reading only those) and without it (every pass
+    reads the row): all keep the rule's set on flat, peaked and tied rows and on rows with a few
     logits biased to -1e30 or 1e4 (far outliers, where value-linear pivots would crawl and the
     search switches to key-linear ones), and from one seed draw the same tokens. V = 300 and
     1500 have SBLOCK < BLOCK (band test per step), unlike the small-V tests above."""
@@ -331,18 +331,23 @@ def test_search_buffer_and_pivot_switch_keep_the_exact_sets(vocab):
     top_k = torch.where(torch.arange(rows) % 3 == 0, 20, TOP_K_ALL)
     top_p = torch.where(torch.arange(rows) % 3 == 2, 1.0, 0.9)
     top_p[14:] = torch.tensor([0.3, 0.999])
-    ref = du.target_probs_from_logits(x, temp, top_k, top_p) > 0
+    s = x / temp.view(rows, 1)
+    # the rule's set {s >= t} by the torch path (radix select); on the tokens with a float64
+    # probability above 0 it is the dense reference's (which drops the -1e30 ones: p = 0)
+    ref = s >= du._sample_with_threshold(x, temp, top_k, top_p, None, None, "torch")[1].view(rows, 1)
+    dense = du.target_probs_from_logits(x, temp, top_k, top_p) > 0
+    assert torch.equal(ref & (torch.softmax(s.double(), dim=1) > 0), dense)
     params = du._sampling_rows(rows, vocab, x.device, temp, top_k, top_p, None)
     assert du._sample_buffer_cap(vocab, du._sample_blocks(vocab)[1]) < vocab
     draws = []
-    for cap in (None, 0):
+    for cap in (None, 0, 16):  # default (~V / 8), none, a small one (copied late)
         seed = torch.Generator().manual_seed(3)
         token, thr = du._sample_rows_triton(x, *params, seed, True, buffer_cap=cap)
-        kept = x / temp.view(rows, 1) >= thr.view(rows, 1)
+        kept = s >= thr.view(rows, 1)
         assert torch.equal(kept, ref), (cap, (kept != ref).any(dim=1).nonzero().view(-1).tolist())
-        assert ref.gather(1, token.view(rows, 1)).all()
+        assert dense.gather(1, token.view(rows, 1)).all()
         draws.append(token)
-    assert torch.equal(draws[0], draws[1])
+    assert torch.equal(draws[0], draws[1]) and torch.equal(draws[0], draws[2])
 
 
 def test_sampling_block_sizes_follow_the_vocabulary():
