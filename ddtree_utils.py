@@ -1819,6 +1819,28 @@ def sample_tree_targets(
     return token.view(bs, n_per_req)
 
 
+def sample_tree_targets_from_batch(logits: Tensor, sampling_info, n_per_req: int) -> Tensor:
+    """:func:`sample_tree_targets` with the per-request parameters of an SGLang
+    ``SamplingBatchInfo`` (what both pins' sampled verify pass): ``temperatures``, ``top_ks``,
+    ``top_ps``, ``min_ps`` only when ``need_min_p_sampling`` (SGLang's own sampler ignores them
+    otherwise), and ``any_top_k_top_p`` from ``need_top_k_sampling`` / ``need_top_p_sampling``
+    (True when the object lacks them). Returns ``[bs, N]`` int64; greedy requests get each
+    node's first argmax."""
+    need_min_p = getattr(sampling_info, "need_min_p_sampling", False)
+    return sample_tree_targets(
+        logits,
+        sampling_info.temperatures,
+        sampling_info.top_ks,
+        sampling_info.top_ps,
+        sampling_info.min_ps if need_min_p else None,
+        n_per_req,
+        any_top_k_top_p=bool(
+            getattr(sampling_info, "need_top_k_sampling", True)
+            or getattr(sampling_info, "need_top_p_sampling", True)
+        ),
+    )
+
+
 def target_probs_from_logits(
     logits: Tensor,
     temperature: Tensor | float,

@@ -438,6 +438,38 @@ def test_tree_targets_expand_per_request_params():
         du.sample_tree_targets(logits[: 2 * n], temp, top_k[:2], top_p[:2], None, n)
 
 
+def test_tree_targets_from_an_sglang_batch(monkeypatch):
+    """sample_tree_targets_from_batch passes a SamplingBatchInfo's per-request tensors as they
+    are, min_ps only when need_min_p_sampling (SGLang's sampler ignores them otherwise), and
+    any_top_k_top_p from need_top_k_sampling / need_top_p_sampling (True when absent)."""
+    from types import SimpleNamespace
+
+    n = 4
+    logits = torch.randn(2 * n, 20, generator=torch.Generator().manual_seed(23))
+    info = SimpleNamespace(temperatures=torch.tensor([[0.0], [0.8]]), top_ks=torch.tensor([1, 5]),
+                           top_ps=torch.tensor([1.0, 0.9]), min_ps=torch.tensor([0.0, 0.3]))  # fmt: skip
+    seen = []
+    real = du.sample_tree_targets
+
+    def spy(*args, **kwargs):
+        seen.append((args, kwargs))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(du, "sample_tree_targets", spy)
+    cases = [({}, None, True),  # flags absent: min_p off, search on
+             ({"need_min_p_sampling": True, "need_top_k_sampling": False,
+               "need_top_p_sampling": False}, info.min_ps, False),
+             ({"need_min_p_sampling": False, "need_top_k_sampling": False,
+               "need_top_p_sampling": True}, None, True)]  # fmt: skip
+    for flags, min_p, any_kp in cases:
+        got = du.sample_tree_targets_from_batch(logits, SimpleNamespace(**vars(info), **flags), n)
+        args, kwargs = seen[-1]
+        assert args[0] is logits and args[1] is info.temperatures and args[2] is info.top_ks
+        assert args[3] is info.top_ps and args[4] is min_p and args[5] == n
+        assert kwargs == {"any_top_k_top_p": any_kp}
+        assert got.shape == (2, n) and torch.equal(got[0], logits[:n].argmax(-1))
+
+
 def test_bad_input_is_refused():
     x = torch.randn(3, 8)
     with pytest.raises(ValueError, match=r"\[R, V\]"):
