@@ -1231,10 +1231,11 @@ def verify_sampling_reference(
 # finds the same set with a 4-level 8-bit radix select on the keys (per-row histograms of count
 # and float64 mass).
 #
-# Sampling: Gumbel-max (exponential race) over the kept tokens, argmax of s_i - log(E_i) with
-# E_i = -log(u_i) and u_i a 53-bit uniform in (0, 1) (float64), which is an exact draw from the
-# renormalised kept distribution up to the noise's resolution: a token can lose only where
-# its probability is below exp(-36) times the largest kept probability.
+# Sampling: inverse CDF of the kept mass in vocabulary order, float64: the mass of each BLOCK step
+# (sum of exp(s - max) over its kept tokens), one 53-bit uniform u per row, the step where the
+# running mass first exceeds u times the total, then that step's token where it does. An exact
+# draw from the renormalised kept distribution up to float64 rounding of the sums (a kept token
+# whose exp(s - max) underflows float64, below exp(-745), is never drawn).
 
 _SAMPLING_EPS = (
     1e-6  # SGLang's sampling_params._SAMPLING_EPS: temperature below it is greedy
@@ -1431,6 +1432,7 @@ if triton is not None:
         MAX_PASSES: tl.constexpr,
         SEARCH: tl.constexpr,
         CAP: tl.constexpr,
+        NS: tl.constexpr,  # pow2 >= the count of BLOCK steps (ceil(V / BLOCK))
     ):
         NEG = float("-inf")
         row = tl.program_id(0).to(tl.int64)
@@ -1573,25 +1575,39 @@ if triton is not None:
             thr_key = tl.where(search, hi, lo + 1)
         thr = tl.where(sample, _value_of(thr_key), peak)
 
-        # last pass: Gumbel-max over s >= thr (chunks without a kept token draw no noise)
-        best_v = tl.full([BLOCK], NEG, tl.float64)
-        best_i = tl.full([BLOCK], V, tl.int32)
+        # last pass: inverse CDF of the kept mass in vocabulary order, float64. Each BLOCK step
+        # holding a kept token adds its mass sum(exp(s - peak)) to its slot of w_steps; one
+        # uniform picks the step where the running mass crosses u * total, and that step alone
+        # is read again to find the token. One exp per kept column and one random number per
+        # row (a Gumbel draw needs a Philox call and two float64 logs per column).
+        steps = tl.arange(0, NS)
+        w_steps = tl.zeros([NS], tl.float64)
+        drawn = arg
         if sample:
-            seed = tl.load(seed_ptr) + row
+            peak_d = peak.to(tl.float64)
             for start in range(0, V, BLOCK):
                 cols = start + offs
                 s = _load_scaled(x_row, cols, V, temp)
                 keep = (s >= thr) & (cols < V)
                 if tl.max(keep.to(tl.int32), axis=0) > 0:
-                    r0, r1, _, _ = tl.randint4x(seed, cols)
-                    u = ((r0 >> 5).to(tl.float64) * 67108864.0 + (r1 >> 6).to(tl.float64) + 0.5) * (1.0 / 9007199254740992.0)  # fmt: skip
-                    score = tl.where(keep, s.to(tl.float64) - tl.log(-tl.log(u)), NEG)
-                    better = score > best_v
-                    best_v = tl.where(better, score, best_v)
-                    best_i = tl.where(better, cols, best_i)
-        top = tl.max(best_v, axis=0)
-        drawn = tl.min(tl.where(best_v == top, best_i, V), axis=0)
-        drawn = tl.where(drawn >= V, arg, drawn)
+                    w = tl.sum(tl.where(keep, tl.exp(s.to(tl.float64) - peak_d), 0.0), axis=0)
+                    w_steps = tl.where(steps == start // BLOCK, w, w_steps)
+            cum = tl.cumsum(w_steps, axis=0)  # [NS] mass up to and including each step
+            r0, r1, _, _ = tl.randint4x(tl.load(seed_ptr), row.to(tl.int32))
+            u = ((r0 >> 5).to(tl.float64) * 67108864.0 + (r1 >> 6).to(tl.float64)) * (1.0 / 9007199254740992.0)  # fmt: skip
+            target = u * tl.max(cum, axis=0)  # u in [0, 1): 53 random bits
+            j = tl.min(tl.where(cum > target, steps, NS), axis=0)
+            last = tl.max(tl.where(w_steps > 0.0, steps, 0), axis=0)
+            j = tl.where(j >= NS, last, j)  # target rounded up to the total
+            mass_before = tl.sum(tl.where(steps == j, cum - w_steps, 0.0), axis=0)
+            cols = j * BLOCK + offs
+            s = _load_scaled(x_row, cols, V, temp)
+            keep = (s >= thr) & (cols < V)
+            run = mass_before + tl.cumsum(tl.where(keep, tl.exp(s.to(tl.float64) - peak_d), 0.0), axis=0)
+            pick = tl.min(tl.where(keep & (run > target), cols, V), axis=0)
+            fallback = tl.max(tl.where(keep, cols, -1), axis=0)  # rounding: the step's last kept
+            drawn = tl.where(pick < V, pick, fallback)
+            drawn = tl.where(drawn < 0, arg, drawn)
         tl.store(out_ptr + row, tl.where(sample, drawn, arg).to(tl.int64))
         tl.store(thr_ptr + row, thr)
 
@@ -1651,7 +1667,8 @@ def _sample_rows_triton(
         x, temp.contiguous(), kk.contiguous(), pp.contiguous(), log_mp.contiguous(),
         greedy.to(torch.int8), seed, token, thr, buf, vocab, x.stride(0),
         BLOCK=block, SBLOCK=sblock, NP=_SAMPLE_PIVOTS,
-        MAX_PASSES=_SAMPLE_MAX_PASSES, SEARCH=search, CAP=cap, num_warps=warps,
+        MAX_PASSES=_SAMPLE_MAX_PASSES, SEARCH=search, CAP=cap, NS=_pow2(-(-vocab // block)),
+        num_warps=warps,
     )  # fmt: skip
     return token, thr
 

@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """A/B of the target sampler's Triton kernel: main's (b3a4fd6: key-linear pivots, every pass
-reads the row; frozen below) against the current ddtree_utils one (value-linear pivots with a
-key-linear guard, and the per-row buffer of the bracket's values), kernel alone, on a GPU
-(issue 13 item 1: top_p rows cost 1.28-1.47x a greedy round).
+reads the row, Gumbel-max draw; frozen below) against the current ddtree_utils one
+(value-linear pivots with a key-linear guard, the per-row buffer of the bracket's values, the
+inverse-CDF draw), kernel alone, on a GPU (issue 13 item 1: top_p rows cost 1.28-1.47x a greedy
+round). The current kernel also runs without its buffer and with other buffer sizes
+(--buffer-divs).
 
 For R rows of V random logits at temperature T it times each kernel with CUDA events (median of
 --reps launches after a warm-up) for no filter, top_k 20, top_p 0.9, both, min_p 0.05 and min_p +
@@ -295,6 +297,8 @@ def main() -> int:
     ap.add_argument("--cases", nargs="+", default=list(CASES))
     ap.add_argument("--configs", nargs="+", default=["4x128", "8x128", "4x64"],
                     help="current kernel's WARPSxSBLOCK launch configurations")  # fmt: skip
+    ap.add_argument("--buffer-divs", type=int, nargs="*", default=[4],
+                    help="also run the current kernel with a buffer of V / each of these")
     ap.add_argument("--smoke", action="store_true", help="CPU + Triton interpreter, 4 x 2048, 1 rep")
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -329,6 +333,9 @@ def main() -> int:
             w, sb = (int(v) for v in cfg.split("x"))
             variants.append((f"new {w}w SBLOCK {sb}", new_kernel(w, sb, True)))
             variants.append((f"new {w}w SBLOCK {sb} no buffer", new_kernel(w, sb, True, 0)))
+            for div in args.buffer_divs:  # other buffer sizes than the default V / _SAMPLE_BUFFER_DIV
+                cap = sb * -(-(-(-args.vocab // div)) // sb)
+                variants.append((f"new {w}w SBLOCK {sb} buffer V/{div}", new_kernel(w, sb, True, cap)))
         if no_filter:  # what sample_from_logits launches when the host knows
             for w in sorted({int(c.split("x")[0]) for c in args.configs}):
                 variants.append((f"new {w}w no search", new_kernel(w, du._SAMPLE_SBLOCK, False)))
@@ -342,7 +349,7 @@ def main() -> int:
                 wrong += len(real)
             base_ms = ms if base_ms is None else base_ms
             worst = f"{min(o[3] for o in off):.3g}" if off else "-"
-            print(f"{name:<20} {label:<26} {ms:>9.3f} {ms / base_ms:>8.3f} {len(off):>8}  {worst}", flush=True)
+            print(f"{name:<20} {label:<34} {ms:>9.3f} {ms / base_ms:>8.3f} {len(off):>8}  {worst}", flush=True)
             results.append({"case": name, "kernel": label, "ms": ms, "vs_main": ms / base_ms,
                             "rows_off": len(off), "rows_off_beyond_float64_rounding": len(real),
                             "off": off[:20]})  # fmt: skip

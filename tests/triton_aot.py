@@ -53,7 +53,8 @@ SAMPLE = {"x_ptr": "*fp32", "temp_ptr": "*fp32", "k_ptr": "*i64", "p_ptr": "*fp3
           "thr_ptr": "*fp32", "buf_ptr": "*fp32", "V": "i32", "x_stride": "i32"}  # fmt: skip
 SAMPLE_CONSTS = {"BLOCK": du._SAMPLE_BLOCK, "SBLOCK": du._SAMPLE_SBLOCK,
                  "NP": du._SAMPLE_PIVOTS, "MAX_PASSES": du._SAMPLE_MAX_PASSES,
-                 "SEARCH": True, "CAP": du._sample_buffer_cap(151936, du._SAMPLE_SBLOCK)}  # fmt: skip
+                 "SEARCH": True, "CAP": du._sample_buffer_cap(151936, du._SAMPLE_SBLOCK),
+                 "NS": du._pow2(-(-151936 // du._SAMPLE_BLOCK))}  # fmt: skip
 SAMPLE_NO_SEARCH = {**SAMPLE_CONSTS, "SEARCH": False, "CAP": 0}
 TREE_ATTN_PREFIX = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "indptr_ptr": "*i32",
                     "indices_ptr": "*i64", "ws_o_ptr": "*fp32", "ws_lse_ptr": "*fp32", "N": "i32",
