@@ -1220,11 +1220,13 @@ def verify_sampling_reference(
 # steps: tokens above hi count for every key and were counted by the last pass (hi only moves
 # down), tokens below lo count for none, so only steps holding a token in [lo, hi] (all of them
 # in the first pass) redo their columns in SBLOCK sub-steps into [NP, SBLOCK] per-column
-# partials, reduced once per pass. Once [lo, hi] holds at most about V / 8 tokens, they are
-# copied to a per-row buffer and the later passes read that copy instead of the row (a top_p
-# bracket on a flat row otherwise touches every BLOCK step for three or four passes). Rows
-# without top-k / top-p skip the
-# search (and a launch known to have none compiles it out). Masses are float64 throughout,
+# partials, reduced once per pass. Once [lo, hi] holds at most about V / 4 tokens, they are
+# copied to a buffer and the later passes read that copy instead of the row (a top_p bracket on
+# a flat row otherwise touches every BLOCK step for three or four passes); the buffer keeps only
+# [lo, hi] again whenever that shrinks four-fold. A launch that may search runs a few programs
+# per multiprocessor, each taking the next untaken row until none is left and owning one buffer,
+# so the buffer's memory does not grow with the batch. Rows without top-k / top-p skip the
+# search (and a launch known to have none compiles it out, with a program per row). Masses are float64 throughout,
 # exp(s - max) / sum with the sum taken in the first pass, as the dense reference's softmax:
 # the kept set is the float64 rule's, also for a top_p within float32 rounding of a token's
 # mass (a float32 logsumexp, as before, misjudged 10 to 13 of the tests' 24 such rows). The torch path
@@ -1246,7 +1248,9 @@ _SAMPLE_PIVOTS = 16  # keys evaluated per search pass (lo, hi and 14 between)
 _SAMPLE_WARPS = 4  # num_warps of the kernel with the search (also tests/triton_aot.py)
 _SAMPLE_WARPS_NO_SEARCH = 8  # num_warps of the kernel compiled without it (as before the rework)
 _SAMPLE_MAX_PASSES = 48  # guard only: a key pass shrinks hi - lo >= 15-fold, 2**32 keys
-_SAMPLE_BUFFER_DIV = 8  # a search copies a row's bracket once it holds <= V / 8 tokens (f32 each)
+_SAMPLE_BUFFER_DIV = 4  # a search copies a row's bracket once it holds <= V / 4 tokens (f32 each)
+_SAMPLE_PROGRAMS_PER_SM = 3  # programs of a launch per multiprocessor (each with a buffer; sm_90
+#   holds three at the search kernel's 168 registers x 128 threads)
 _TORCH_WORK_ELEMS = 1 << 20  # torch path: rows per chunk = this // V (at least one)
 
 
@@ -1423,7 +1427,9 @@ if triton is not None:
         seed_ptr,  # [1] i64 Philox seed of this call
         out_ptr,  # [R] i64 out: the sampled token
         thr_ptr,  # [R] f32 out: the kept set is s >= thr
-        buf_ptr,  # [R, CAP] f32 scratch: a row's bracketed values once they fit (CAP > 0)
+        buf_ptr,  # [programs, CAP] f32 scratch: a row's bracketed values once they fit (CAP > 0)
+        next_ptr,  # [1] i32, zero at launch: the next row to take
+        R,
         V,
         x_stride,
         BLOCK: tl.constexpr,
@@ -1434,8 +1440,43 @@ if triton is not None:
         CAP: tl.constexpr,
         NS: tl.constexpr,  # pow2 >= the count of BLOCK steps (ceil(V / BLOCK))
     ):
+        # R rows, min(R, a few per SM) programs: each program takes the next untaken row until
+        # none is left (rows cost unequal amounts) and owns one buffer row, so the buffer is
+        # sized by the GPU, not by the batch. A draw depends on (seed, row) only.
+        buf_row = buf_ptr + tl.program_id(0).to(tl.int64) * CAP
+        row = tl.atomic_add(next_ptr, 1)
+        while row < R:
+            _sample_row(
+                row.to(tl.int64), x_ptr, temp_ptr, k_ptr, p_ptr, lmp_ptr, greedy_ptr,
+                seed_ptr, out_ptr, thr_ptr, buf_row, V, x_stride,
+                BLOCK, SBLOCK, NP, MAX_PASSES, SEARCH, CAP, NS,
+            )  # fmt: skip
+            row = tl.atomic_add(next_ptr, 1)
+
+    @triton.jit
+    def _sample_row(
+        row,  # i64 the row this call samples
+        x_ptr,
+        temp_ptr,
+        k_ptr,
+        p_ptr,
+        lmp_ptr,
+        greedy_ptr,
+        seed_ptr,
+        out_ptr,
+        thr_ptr,
+        buf_row,  # [CAP] f32 this program's buffer
+        V,
+        x_stride,
+        BLOCK: tl.constexpr,
+        SBLOCK: tl.constexpr,
+        NP: tl.constexpr,
+        MAX_PASSES: tl.constexpr,
+        SEARCH: tl.constexpr,
+        CAP: tl.constexpr,
+        NS: tl.constexpr,
+    ):
         NEG = float("-inf")
-        row = tl.program_id(0).to(tl.int64)
         x_row = x_ptr + row * x_stride
         temp = tl.load(temp_ptr + row)
         greedy = tl.load(greedy_ptr + row) != 0
@@ -1484,7 +1525,6 @@ if triton is not None:
             use_value = s_min > NEG
             before = V  # tokens in the bracket before this pass (an upper bound at first)
             n_buf = -1  # values copied to buf_ptr (-1: not yet; later passes read only those)
-            buf_row = buf_ptr + row * CAP
             while (inside > 0) & (passes < MAX_PASSES):
                 lo64 = lo.to(tl.int64)
                 hi64 = hi.to(tl.int64)
@@ -1572,6 +1612,25 @@ if triton is not None:
                                 at = n_buf + tl.cumsum(band.to(tl.int32), axis=0) - 1
                                 tl.store(buf_row + at, s, mask=band)
                                 n_buf += nb
+                        tl.debug_barrier()  # every warp's copy is in place before any reads it
+                    elif (n_buf > SBLOCK) & (inside > 0) & (4 * n_band <= n_buf):
+                        # the buffer's bracket shrank 4-fold: keep only [lo, hi], in place
+                        # (a token moves only down; every warp reads a sub-step before any
+                        # of them writes it)
+                        n_keep = 0
+                        for start in range(0, n_buf, SBLOCK):
+                            idx = start + soffs
+                            ss = tl.load(buf_row + idx, mask=idx < n_buf, other=NEG)
+                            sk = _key_of(ss)
+                            band = (sk >= lo) & (sk <= hi) & (idx < n_buf)
+                            nb = tl.sum(band.to(tl.int32), axis=0)
+                            tl.debug_barrier()
+                            if nb > 0:
+                                at = n_keep + tl.cumsum(band.to(tl.int32), axis=0) - 1
+                                tl.store(buf_row + at, ss, mask=band)
+                                n_keep += nb
+                        n_buf = n_keep
+                        tl.debug_barrier()
             thr_key = tl.where(search, hi, lo + 1)
         thr = tl.where(sample, _value_of(thr_key), peak)
 
@@ -1612,8 +1671,17 @@ if triton is not None:
         tl.store(thr_ptr + row, thr)
 
 
+def _sample_programs(device: torch.device) -> int:
+    """Programs of one sampling launch (at most one per row): _SAMPLE_PROGRAMS_PER_SM per
+    multiprocessor on CUDA (what fits at once at the kernel's registers), else one per row."""
+    if device.type != "cuda":
+        return 1 << 30
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SAMPLE_PROGRAMS_PER_SM * sms
+
+
 def _sample_buffer_cap(vocab: int, sblock: int) -> int:
-    """Columns of the search's per-row buffer: about V / 8, a whole number of sub-steps."""
+    """Columns of the search buffer of one program: about V / _SAMPLE_BUFFER_DIV, whole sub-steps."""
     per = -(-vocab // _SAMPLE_BUFFER_DIV)
     return sblock * -(-per // sblock)
 
@@ -1646,9 +1714,11 @@ def _sample_rows_triton(
     generator: torch.Generator | None,
     search: bool = True,
     buffer_cap: int | None = None,
+    programs: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The sampling kernel over ``logits`` [R, V]. ``buffer_cap``: columns of the search's
-    per-row buffer (default :func:`_sample_buffer_cap`; 0: no buffer, every pass reads the row)."""
+    buffer per program (default :func:`_sample_buffer_cap`; 0: no buffer, every pass reads the
+    row). ``programs``: how many programs share the rows (default :func:`_sample_programs`)."""
     rows, vocab = logits.shape
     x = logits if logits.stride(-1) == 1 else logits.contiguous()
     device = x.device
@@ -1662,10 +1732,13 @@ def _sample_rows_triton(
         raise ValueError(f"vocabulary {vocab} too large for the sampling kernel")
     warps = _SAMPLE_WARPS if search else _SAMPLE_WARPS_NO_SEARCH
     cap = 0 if not search else _sample_buffer_cap(vocab, sblock) if buffer_cap is None else buffer_cap
-    buf = torch.empty((rows, cap) if cap else (1,), dtype=torch.float32, device=device)
-    _sample_rows_kernel[(rows,)](
+    # a search buffer per program: a bounded grid; without one, a program per row as usual
+    grid = max(1, min(rows, programs or (_sample_programs(device) if cap else rows)))
+    buf = torch.empty((grid, cap) if cap else (1,), dtype=torch.float32, device=device)
+    _sample_rows_kernel[(grid,)](
         x, temp.contiguous(), kk.contiguous(), pp.contiguous(), log_mp.contiguous(),
-        greedy.to(torch.int8), seed, token, thr, buf, vocab, x.stride(0),
+        greedy.to(torch.int8), seed, token, thr, buf,
+        torch.zeros(1, dtype=torch.int32, device=device), rows, vocab, x.stride(0),
         BLOCK=block, SBLOCK=sblock, NP=_SAMPLE_PIVOTS,
         MAX_PASSES=_SAMPLE_MAX_PASSES, SEARCH=search, CAP=cap, NS=_pow2(-(-vocab // block)),
         num_warps=warps,
@@ -1753,7 +1826,7 @@ def sample_from_logits(
             top-k / top-p limits.
         generator: optional ``torch.Generator`` on the logits' device (the Triton kernel draws
             one Philox seed from it per call, the torch path its uniforms).
-        backend: ``"auto"`` = one Triton kernel on CUDA (one program per row), else chunked
+        backend: ``"auto"`` = one Triton kernel on CUDA (a row at a time per program), else chunked
             torch ops; ``"torch"``; ``"triton"`` (CUDA, or the CPU under TRITON_INTERPRET=1).
 
     Returns ``[R]`` int64 token ids. Semantics (module comment above and docs/DDTREE.md): keep
@@ -1761,8 +1834,9 @@ def sample_from_logits(
     probability mass of the strictly larger tokens is below top_p, and ``p_i >= min_p * p_max``;
     draw from the kept tokens renormalised. Ties at the threshold are all kept; greedy rows
     give the first argmax. No host synchronisation and fixed shapes on either backend (CUDA
-    graph capturable; the Triton path allocates ``O(R)`` plus, when it searches, a per-row
-    buffer of about V / 8 float32 (1/8 of float32 logits), the torch path works on at most
+    graph capturable; the Triton path allocates ``O(R)`` plus, when it may search, a buffer of
+    about V / 4 float32 per program (three programs per multiprocessor: 60 MB on an H200 at
+    V = 151936, whatever R), the torch path works on at most
     ``max(1, 2**20 // V)`` rows at a time). Rows whose logits are all -inf give token 0; NaN or
     +inf logits are not supported.
     """

@@ -215,16 +215,19 @@ def main_kernel(x, temp, kk, pp, log_mp, greedy):
     return token, thr
 
 
-def new_kernel(warps: int, sblock: int, search: bool, buffer_cap: int | None = None):
+def new_kernel(warps: int, sblock: int, search: bool, buffer_cap: int | None = None,
+               programs: int | None = None):  # fmt: skip
     """The current kernel (du._sample_rows_triton) with this launch configuration
-    (``buffer_cap`` 0: without the search's per-row buffer)."""
+    (``buffer_cap`` 0: without the search's buffer; ``programs``: how many share the rows)."""
 
     def run(x, temp, kk, pp, log_mp, greedy):
         old = du._SAMPLE_WARPS, du._SAMPLE_WARPS_NO_SEARCH, du._SAMPLE_SBLOCK
         du._SAMPLE_WARPS = du._SAMPLE_WARPS_NO_SEARCH = warps
         du._SAMPLE_SBLOCK = sblock
         try:
-            return du._sample_rows_triton(x, temp, kk, pp, log_mp, greedy, None, search, buffer_cap)
+            return du._sample_rows_triton(
+                x, temp, kk, pp, log_mp, greedy, None, search, buffer_cap, programs
+            )
         finally:
             du._SAMPLE_WARPS, du._SAMPLE_WARPS_NO_SEARCH, du._SAMPLE_SBLOCK = old
 
@@ -295,10 +298,12 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--chunk", type=int, default=256, help="reference rows per chunk")
     ap.add_argument("--cases", nargs="+", default=list(CASES))
-    ap.add_argument("--configs", nargs="+", default=["4x128", "8x128", "4x64"],
+    ap.add_argument("--configs", nargs="+", default=["4x128", "8x128"],
                     help="current kernel's WARPSxSBLOCK launch configurations")  # fmt: skip
-    ap.add_argument("--buffer-divs", type=int, nargs="*", default=[4],
+    ap.add_argument("--buffer-divs", type=int, nargs="*", default=[8],
                     help="also run the current kernel with a buffer of V / each of these")
+    ap.add_argument("--programs-per-sm", type=int, nargs="*", default=[0, 2],
+                    help="also run it with these programs per multiprocessor (0: one per row)")
     ap.add_argument("--smoke", action="store_true", help="CPU + Triton interpreter, 4 x 2048, 1 rep")
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -336,6 +341,10 @@ def main() -> int:
             for div in args.buffer_divs:  # other buffer sizes than the default V / _SAMPLE_BUFFER_DIV
                 cap = sb * -(-(-(-args.vocab // div)) // sb)
                 variants.append((f"new {w}w SBLOCK {sb} buffer V/{div}", new_kernel(w, sb, True, cap)))
+            for per_sm in args.programs_per_sm:  # 0: a program (and a buffer) per row
+                n = per_sm * torch.cuda.get_device_properties(device).multi_processor_count if per_sm and cuda else args.rows
+                label = f"new {w}w SBLOCK {sb} " + (f"{per_sm}/SM" if per_sm else "1/row")
+                variants.append((label, new_kernel(w, sb, True, None, n)))
         if no_filter:  # what sample_from_logits launches when the host knows
             for w in sorted({int(c.split("x")[0]) for c in args.configs}):
                 variants.append((f"new {w}w no search", new_kernel(w, du._SAMPLE_SBLOCK, False)))

@@ -74,7 +74,7 @@ def sass(mod, path: Path, vocab: int, workdir: Path) -> tuple[dict, int]:
     fn = mod._sample_rows_kernel
     types = {"x_ptr": "*fp32", "temp_ptr": "*fp32", "k_ptr": "*i64", "p_ptr": "*fp32",
              "lmp_ptr": "*fp32", "greedy_ptr": "*i8", "seed_ptr": "*i64", "out_ptr": "*i64",
-             "thr_ptr": "*fp32", "buf_ptr": "*fp32", "V": "i32", "x_stride": "i32"}  # fmt: skip
+             "thr_ptr": "*fp32", "buf_ptr": "*fp32", "next_ptr": "*i32", "R": "i32", "V": "i32", "x_stride": "i32"}  # fmt: skip
     block, sblock = mod._sample_blocks(vocab)
     consts = {"BLOCK": block, "SBLOCK": sblock, "NP": mod._SAMPLE_PIVOTS,
               "MAX_PASSES": mod._SAMPLE_MAX_PASSES, "SEARCH": True}  # fmt: skip

@@ -311,14 +311,17 @@ def test_kernel_without_search_matches_the_search_kernel():
     assert torch.equal(draws[0], draws[1]) and torch.equal(draws[0], draws[2])
 
 
-@pytest.mark.parametrize("vocab", [300, 1500])
+@pytest.mark.parametrize("vocab", [300, 1500, 4096])
 def test_search_buffer_and_pivot_switch_keep_the_exact_sets(vocab):
-    """The threshold search with its per-row buffer (the bracket's values copied once they fit in
-    about V / 8 columns, or 16, later passes reading only those) and without it (every pass
-    reads the row): all keep the rule's set on flat, peaked and tied rows and on rows with a few
-    logits biased to -1e30 or 1e4 (far outliers, where value-linear pivots would crawl and the
-    search switches to key-linear ones), and from one seed draw the same tokens. V = 300 and
-    1500 have SBLOCK < BLOCK (band test per step), unlike the small-V tests above."""
+    """The threshold search with its buffer (the bracket's values copied once they fit in about
+    V / 4 columns, or 16, later passes reading only those, re-compacted as the bracket shrinks)
+    and without it (every pass reads the row), with a program per row and with fewer programs
+    than rows (each reusing its buffer for the next untaken row): all keep the rule's set on
+    flat, peaked and tied rows and on rows with a few logits biased to -1e30 or 1e4 (far
+    outliers, where value-linear pivots would crawl and the search switches to key-linear
+    ones), and from one seed draw the same tokens. V = 300 and 1500 have SBLOCK < BLOCK (band
+    test per step), unlike the small-V tests above; at V = 4096 the flat rows' buffer is copied
+    with more than SBLOCK tokens and re-compacted."""
     gen = torch.Generator().manual_seed(41)
     rows = 16
     x = torch.randn(rows, vocab, generator=gen)
@@ -340,14 +343,16 @@ def test_search_buffer_and_pivot_switch_keep_the_exact_sets(vocab):
     params = du._sampling_rows(rows, vocab, x.device, temp, top_k, top_p, None)
     assert du._sample_buffer_cap(vocab, du._sample_blocks(vocab)[1]) < vocab
     draws = []
-    for cap in (None, 0, 16):  # default (~V / 8), none, a small one (copied late)
+    # default (~V / 4), none, a small one (copied late); a program per row, or 3 for 16 rows
+    for cap, programs in ((None, None), (0, None), (16, None), (None, 3), (16, 3)):
         seed = torch.Generator().manual_seed(3)
-        token, thr = du._sample_rows_triton(x, *params, seed, True, buffer_cap=cap)
+        token, thr = du._sample_rows_triton(x, *params, seed, True, buffer_cap=cap, programs=programs)
         kept = s >= thr.view(rows, 1)
-        assert torch.equal(kept, ref), (cap, (kept != ref).any(dim=1).nonzero().view(-1).tolist())
+        bad = (kept != ref).any(dim=1).nonzero().view(-1).tolist()
+        assert torch.equal(kept, ref), (cap, programs, bad)
         assert dense.gather(1, token.view(rows, 1)).all()
         draws.append(token)
-    assert torch.equal(draws[0], draws[1]) and torch.equal(draws[0], draws[2])
+    assert all(torch.equal(draws[0], d) for d in draws[1:])
 
 
 def test_sampling_block_sizes_follow_the_vocabulary():

@@ -50,7 +50,7 @@ SUMEXP = {"x_ptr": "*bf16", "shift_ptr": "*fp32", "out_ptr": "*fp32", "V": "i32"
           "x_stride": "i32", "NC": "i32"}  # fmt: skip
 SAMPLE = {"x_ptr": "*fp32", "temp_ptr": "*fp32", "k_ptr": "*i64", "p_ptr": "*fp32",
           "lmp_ptr": "*fp32", "greedy_ptr": "*i8", "seed_ptr": "*i64", "out_ptr": "*i64",
-          "thr_ptr": "*fp32", "buf_ptr": "*fp32", "V": "i32", "x_stride": "i32"}  # fmt: skip
+          "thr_ptr": "*fp32", "buf_ptr": "*fp32", "next_ptr": "*i32", "R": "i32", "V": "i32", "x_stride": "i32"}  # fmt: skip
 SAMPLE_CONSTS = {"BLOCK": du._SAMPLE_BLOCK, "SBLOCK": du._SAMPLE_SBLOCK,
                  "NP": du._SAMPLE_PIVOTS, "MAX_PASSES": du._SAMPLE_MAX_PASSES,
                  "SEARCH": True, "CAP": du._sample_buffer_cap(151936, du._SAMPLE_SBLOCK),

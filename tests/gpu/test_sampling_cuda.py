@@ -58,11 +58,13 @@ def test_cuda_graph_capture_and_replay(backend):
 
 @pytest.mark.parametrize("rows", [256, 2048])
 def test_peak_extra_memory(rows):
-    """Triton path: the search's per-row buffer (about V / 8 float32) and O(R) bytes beyond the
-    logits; torch path: one row chunk of temporaries."""
+    """Triton path: the search's buffer (about V / 4 float32 per program, a few programs per
+    multiprocessor whatever R) and O(R) bytes beyond the logits; torch path: one row chunk of
+    temporaries."""
     x = torch.randn(rows, V, device="cuda")
-    buffer = 4 * du._sample_buffer_cap(V, du._sample_blocks(V)[1])
-    for backend, bound in (("triton", (buffer + 64) * rows + (1 << 20)), ("torch", None)):
+    programs = min(rows, du._sample_programs(x.device))
+    buffer = 4 * du._sample_buffer_cap(V, du._sample_blocks(V)[1]) * programs
+    for backend, bound in (("triton", buffer + 64 * rows + (1 << 20)), ("torch", None)):
         args = params(rows, 1 << 30, 0.9)
         du.sample_from_logits(x, *args, backend=backend)
         torch.cuda.synchronize()
