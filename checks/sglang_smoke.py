@@ -286,6 +286,97 @@ def probe_verify() -> str:
     return f"tree verify matches the reference (accepted {acc_len.tolist()})"
 
 
+def probe_round_v2() -> str:
+    """One tiny greedy DDTREE round of the spec-v2 worker (0.5.16 builds) on the CPU.
+
+    Real ReqToTokenPool, TokenToKVPoolAllocator and MHATokenToKVPool: the verify slots read
+    from req_to_token, the tree walk (ddtree_accept_greedy), the commit layout, and the KV move
+    of the accepted path both ways the worker makes it (one ddtree_utils.move_kv_rows over
+    DDTreeWorkerV2._target_kv_rows, and the pool's own move_kv_cache through the staging
+    slots): every committed slot of every layer must hold its path node's KV, and the
+    scheduler's tokens must be the accepted path plus the bonus. Request 0's target agrees
+    with the first child at every node, request 1's with nothing.
+    """
+    from types import SimpleNamespace
+
+    import torch
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+    from sglang.srt.speculative import ddtree_utils as du
+    from sglang.srt.speculative.ddtree_info_v2 import (
+        ddtree_accept_greedy,
+        ddtree_kv_move_locs,
+        ddtree_kv_path_locs,
+        ddtree_verify_slots,
+    )
+    from sglang.srt.speculative.ddtree_worker_v2 import DDTreeWorkerV2
+
+    gen = torch.Generator().manual_seed(0)
+    bs, depth, vocab, budget, block = 2, 4, 12, 5, 8
+    n, width = budget + 1, budget + 1 + depth + 1  # verify nodes + staging of the KV move
+    logp, ids = du.draft_topk_logprobs(torch.randn(bs, depth, vocab, generator=gen), 3)
+    prefix = torch.tensor([5, 3])
+    ct = du.compile_tree(du.build_tree_reference(logp, ids, budget), torch.tensor([7, 9]), prefix,
+                         build_custom_mask=False, max_depth=depth)  # fmt: skip
+    cand = ct.draft_tokens.view(bs, n)
+    first_child = cand.gather(1, ct.retrieve_next_token.clamp(min=0))
+    predict = torch.where(ct.retrieve_next_token >= 0, first_child, torch.full_like(first_child, vocab - 1))
+    predict[1, 0] = next(t for t in range(vocab) if t not in cand[1].tolist())  # root child: none
+
+    pool = ReqToTokenPool(size=bs + 1, max_context_len=64, device="cpu", enable_memory_saver=False)
+    alloc = TokenToKVPoolAllocator(128, torch.bfloat16, "cpu", None, False)
+    rows = torch.tensor([1, 2])
+    for b in range(bs):
+        pool.write((int(rows[b]), slice(0, int(prefix[b]) + width)),
+                   alloc.alloc(int(prefix[b]) + width).to(torch.int32))  # fmt: skip
+    slots = ddtree_verify_slots(pool.req_to_token, rows, prefix, width)
+    acc_idx, acc_len, bonus = ddtree_accept_greedy(cand, predict, torch.arange(bs * n).view(bs, n),
+                                                   ct.retrieve_next_token, ct.retrieve_next_sibling, depth)  # fmt: skip
+    ref = du.verify_greedy_reference(cand, ct.retrieve_next_token, ct.retrieve_next_sibling, predict, depth)
+    out, commit, path = du.tree_commit_layout(acc_idx, acc_len, bonus, cand, block)
+
+    size = int(slots.max()) + 1
+    kv = [MHATokenToKVPool(size, 1, torch.float32, 2, 8, 2, "cpu", False, enable_kv_cache_copy=True)
+          for _ in range(2)]  # fmt: skip
+    for p in kv:
+        for layer, buf in enumerate(p.k_buffer + p.v_buffer):
+            for b in range(bs):  # the KV of verify node j of request b in this layer
+                vals = (layer * 1000 + b * 100 + torch.arange(n)).float()
+                buf[slots[b, :n]] = vals.view(n, 1, 1).expand(n, *buf.shape[1:])
+    worker = SimpleNamespace(_kv_rows=None, model_runner=SimpleNamespace(token_to_kv_pool=kv[0]))
+    kv_rows = DDTreeWorkerV2._target_kv_rows(worker)
+    if not kv_rows:
+        raise AssertionError("DDTreeWorkerV2._target_kv_rows refused a plain MHATokenToKVPool")
+    du.move_kv_rows(kv_rows, *ddtree_kv_path_locs(slots, path, n, depth))
+    for tgt, src in ddtree_kv_move_locs(slots, path, n, depth):
+        kv[1].move_kv_cache(tgt, src)
+    checks = {
+        "walk": all(torch.equal(a, r) for a, r in zip((acc_idx, acc_len, bonus), ref)),
+        "one path accepted": int(acc_len[0]) >= 1 and int(acc_len[1]) == 0,
+        "commit_lens": torch.equal(commit.long(), acc_len + 1),
+    }
+    flat = out.reshape(-1).tolist()
+    for b in range(bs):
+        c = int(commit[b])
+        want = [int(cand[b, j]) for j in acc_idx[b, 1:c]] + [int(bonus[b])]
+        checks[f"tokens[{b}]"] = flat[b * block : b * block + c] == want
+        for way, p in zip(("move_kv_rows", "move_kv_cache"), kv):
+            got = [buf[slots[b, :c], 0, 0].tolist() for buf in p.k_buffer + p.v_buffer]
+            checks[f"kv {way}[{b}]"] = got == [
+                [layer * 1000 + b * 100 + int(j) for j in acc_idx[b, :c]] for layer in range(len(got))
+            ]
+    bad = [k for k, ok in checks.items() if not ok]
+    if bad:
+        raise AssertionError(f"the spec-v2 DDTREE round differs from ddtree_utils' reference: {bad}")
+    return f"spec-v2 tree round matches the reference (accepted {acc_len.tolist()}, KV moved both ways)"
+
+
+def _has_module(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
+
 def _installed() -> str:
     import sglang
 
@@ -306,7 +397,7 @@ def probe_main(build_dir: Path, overlay_root: Path) -> int:
     with tempfile.TemporaryDirectory(prefix="ddtree-smoke-models-") as tmp:
         got = probe_server_args(Path(tmp), manifest.get("sglang_version"))
     _say(f"ok: prepare_server_args DDTREE -> {json.dumps(got)}; budget 0 rejected")
-    verify = probe_verify()
+    verify = probe_round_v2() if _has_module("sglang.srt.speculative.ddtree_info_v2") else probe_verify()
     _say(f"ok: {verify}")
     print(f"sglang smoke passed: {len(names)} modules import into sglang {_installed()}, DDTREE args parse and "
           f"validate, {verify}")

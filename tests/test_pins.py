@@ -289,6 +289,7 @@ def test_gate_6_uses_the_sglang_of_the_pin(tmp_path, ddtree):
     assert r.returncode == EXIT_OK, r.stderr[-3000:]
     (smoke,) = [g for g in json.loads(r.stdout)["gates"] if g["gate"] == 6]
     assert smoke["status"] == "pass" and "into sglang 0.5.16" in smoke["summary"], smoke
+    assert "spec-v2 tree round matches the reference" in smoke["summary"], smoke
     bdir = tmp_path / "sglang-0.5.16"
     assert json.loads((bdir / MANIFEST_NAME).read_text())["sglang_version"] == "0.5.16"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
@@ -297,3 +298,15 @@ def test_gate_6_uses_the_sglang_of_the_pin(tmp_path, ddtree):
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == sglang_smoke.SKIPPED, proc.stdout + proc.stderr[-2000:]
     assert "the build is for 0.5.16" in proc.stdout
+
+    # a 0.5.16 build whose KV move reads the wrong verify slot fails the round probe
+    info = bdir / "srt/speculative/ddtree_info_v2.py"
+    text = info.read_text()
+    good = "    return slots[:, :k], slots[:, :n].gather(1, path[:, :k].to(torch.int64))\n"
+    assert good in text
+    info.write_text(text.replace(good, "    return slots[:, :k], slots[:, :n].gather(1, path[:, :k].to(torch.int64).flip(1))\n"))
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "checks" / "sglang_smoke.py"), "--build", str(bdir)], cwd=REPO_ROOT,
+                          env=pins.sglang_env("0.5.16"), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == sglang_smoke.FAILED, proc.stdout + proc.stderr[-2000:]
+    summary = proc.stdout.strip().splitlines()[-1]
+    assert summary.startswith("sglang smoke FAILED") and "kv move_kv" in summary, summary
