@@ -135,10 +135,10 @@ def sass(mod, path: Path, vocab: int, workdir: Path) -> tuple[dict, int]:
     return sizes, regs
 
 
-def replay(mod, src: str, s: np.ndarray, top_k, top_p) -> Counter:
+def replay(mod, src: str, s: np.ndarray, top_k, top_p) -> tuple[Counter, float]:
     """Loop iterations of one row ``s`` (float32, already divided by T) as the version's kernel
-    runs them: pass-1 steps, search BLOCK steps, sub-steps (row or buffer), copy steps, draw
-    steps, passes."""
+    runs them (pass-1 steps, search BLOCK steps, sub-steps of the row or the buffer, copy and
+    re-compaction steps, draw steps, passes), and the threshold the search ends on."""
     value_pivots = "by_value" in src
     cdf = "w_steps" in src
     vocab = s.size
@@ -213,7 +213,7 @@ def replay(mod, src: str, s: np.ndarray, top_k, top_p) -> Counter:
     thr = value_of(hi) if passes else value_of(lo + 1)
     kept = s >= thr
     n["draw_steps"] = int((np.bincount(step_of[kept], minlength=nsteps) > 0).sum()) + int(cdf)
-    return n
+    return n, thr
 
 
 def cost(n: Counter, sizes: dict) -> float:
@@ -252,7 +252,7 @@ def main() -> int:
         line = []
         costs = []
         for label, mod, src, sizes, _ in versions:
-            counts = [replay(mod, src, row, k, p) for row in x]
+            counts = [replay(mod, src, row, k, p)[0] for row in x]
             mean = {key: sum(cn[key] for cn in counts) / len(counts) for key in
                     ("passes", "substeps", "buffer_substeps", "copy_steps",
                      "recompact_substeps", "draw_steps")}
