@@ -1251,6 +1251,7 @@ _SAMPLE_MAX_PASSES = 48  # guard only: a key pass shrinks hi - lo >= 15-fold, 2*
 _SAMPLE_BUFFER_DIV = 4  # a search copies a row's bracket once it holds <= V / 4 tokens (f32 each)
 _SAMPLE_PROGRAMS_PER_SM = 3  # programs of a launch per multiprocessor (each with a buffer; sm_90
 #   holds three at the search kernel's 168 registers x 128 threads)
+_SAMPLE_MAXNREG: int | None = None  # a register cap for the search kernel (128: four fit; spills)
 _TORCH_WORK_ELEMS = 1 << 20  # torch path: rows per chunk = this // V (at least one)
 
 
@@ -1741,7 +1742,7 @@ def _sample_rows_triton(
         torch.zeros(1, dtype=torch.int32, device=device), rows, vocab, x.stride(0),
         BLOCK=block, SBLOCK=sblock, NP=_SAMPLE_PIVOTS,
         MAX_PASSES=_SAMPLE_MAX_PASSES, SEARCH=search, CAP=cap, NS=_pow2(-(-vocab // block)),
-        num_warps=warps,
+        num_warps=warps, **({"maxnreg": _SAMPLE_MAXNREG} if search and _SAMPLE_MAXNREG else {}),
     )  # fmt: skip
     return token, thr
 

@@ -216,20 +216,22 @@ def main_kernel(x, temp, kk, pp, log_mp, greedy):
 
 
 def new_kernel(warps: int, sblock: int, search: bool, buffer_cap: int | None = None,
-               programs: int | None = None):  # fmt: skip
+               programs: int | None = None, maxnreg: int | None = None):  # fmt: skip
     """The current kernel (du._sample_rows_triton) with this launch configuration
-    (``buffer_cap`` 0: without the search's buffer; ``programs``: how many share the rows)."""
+    (``buffer_cap`` 0: without the search's buffer; ``programs``: how many share the rows;
+    ``maxnreg``: a register cap)."""
 
     def run(x, temp, kk, pp, log_mp, greedy):
-        old = du._SAMPLE_WARPS, du._SAMPLE_WARPS_NO_SEARCH, du._SAMPLE_SBLOCK
+        old = du._SAMPLE_WARPS, du._SAMPLE_WARPS_NO_SEARCH, du._SAMPLE_SBLOCK, du._SAMPLE_MAXNREG
         du._SAMPLE_WARPS = du._SAMPLE_WARPS_NO_SEARCH = warps
         du._SAMPLE_SBLOCK = sblock
+        du._SAMPLE_MAXNREG = maxnreg
         try:
             return du._sample_rows_triton(
                 x, temp, kk, pp, log_mp, greedy, None, search, buffer_cap, programs
             )
         finally:
-            du._SAMPLE_WARPS, du._SAMPLE_WARPS_NO_SEARCH, du._SAMPLE_SBLOCK = old
+            du._SAMPLE_WARPS, du._SAMPLE_WARPS_NO_SEARCH, du._SAMPLE_SBLOCK, du._SAMPLE_MAXNREG = old
 
     return run
 
@@ -345,6 +347,9 @@ def main() -> int:
                 n = per_sm * torch.cuda.get_device_properties(device).multi_processor_count if per_sm and cuda else args.rows
                 label = f"new {w}w SBLOCK {sb} " + (f"{per_sm}/SM" if per_sm else "1/row")
                 variants.append((label, new_kernel(w, sb, True, None, n)))
+            if cuda and w == 4:  # 128 registers: four programs fit per multiprocessor
+                n = 4 * torch.cuda.get_device_properties(device).multi_processor_count
+                variants.append((f"new {w}w SBLOCK {sb} maxnreg 128 4/SM", new_kernel(w, sb, True, None, n, 128)))
         if no_filter:  # what sample_from_logits launches when the host knows
             for w in sorted({int(c.split("x")[0]) for c in args.configs}):
                 variants.append((f"new {w}w no search", new_kernel(w, du._SAMPLE_SBLOCK, False)))
