@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """A/B of the target sampler's Triton kernel: main's (b3a4fd6: key-linear pivots, every pass
 reads the row, Gumbel-max draw; frozen below) against the current ddtree_utils one
-(value-linear pivots with a key-linear guard, the per-row buffer of the bracket's values, the
+(value-linear pivots with a key-linear guard, the search buffer of the bracket's values, the
 inverse-CDF draw), kernel alone, on a GPU (issue 13 item 1: top_p rows cost 1.28-1.47x a greedy
 round). The current kernel also runs without its buffer and with other buffer sizes
 (--buffer-divs).
