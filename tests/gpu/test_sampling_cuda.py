@@ -146,3 +146,27 @@ def test_no_filter_rows_keep_everything(search):
     s = x / args[0].view(-1, 1)
     assert bool((s >= thr.view(-1, 1)).all())
     assert torch.equal(thr, s.amin(dim=1))  # the threshold is each row's smallest value
+
+
+def test_search_buffer_shared_by_programs():
+    """Many flat rows (top_p brackets stay dense, so every row is copied to the buffer and
+    re-compacted) over one program, a few, the default (a few per multiprocessor) and one per
+    row: each launch keeps the rule's set on every row (the torch path's threshold) and, from
+    one seed, draws the same tokens. A buffer race between warps, or between the rows one
+    program takes in turn, would show as a wrong set."""
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    rows = 1024
+    x = torch.randn(rows, V, device="cuda", generator=gen) * 0.5
+    temp = torch.full((rows,), 0.7, device="cuda")
+    top_k = torch.where(torch.arange(rows, device="cuda") % 4 == 0, 50, 1 << 30)
+    top_p = torch.where(torch.arange(rows, device="cuda") % 4 == 1, 1.0, 0.9)
+    params_ = du._sampling_rows(rows, V, x.device, temp, top_k, top_p, None)
+    want = du._sample_with_threshold(x, temp, top_k, top_p, None, None, "torch")[1]
+    draws = []
+    for programs in (1, 7, None, rows):
+        seed = torch.Generator(device="cuda").manual_seed(5)
+        token, thr = du._sample_rows_triton(x, *params_, seed, True, programs=programs)
+        bad = (thr != want).nonzero().view(-1).tolist()
+        assert not bad, (programs, bad[:10])
+        draws.append(token)
+    assert all(torch.equal(draws[0], d) for d in draws[1:])
