@@ -53,8 +53,11 @@ def load_version(ref: str | None, workdir: Path):
     if ref is None:
         path = ROOT / "ddtree_utils.py"
     else:
-        text = subprocess.run(["git", "-C", str(ROOT), "show", f"{ref}:ddtree_utils.py"],
-                              check=True, capture_output=True, text=True).stdout  # fmt: skip
+        got = subprocess.run(["git", "-C", str(ROOT), "show", f"{ref}:ddtree_utils.py"],
+                             check=False, capture_output=True, text=True)  # fmt: skip
+        if got.returncode:
+            raise SystemExit(f"--ref {ref}: no ddtree_utils.py there ({got.stderr.strip()})")
+        text = got.stdout
         path = workdir / f"ddtree_utils_{re.sub(r'[^A-Za-z0-9]', '_', ref)}.py"
         path.write_text(text)
     name = f"_model_{path.stem}"
@@ -146,8 +149,7 @@ def replay(mod, src: str, s: np.ndarray, top_k, top_p) -> tuple[Counter, float]:
     cap = mod._sample_buffer_cap(vocab, sblock) if "_sample_buffer_cap" in src else 0
     recompact = "tl.store(buf_row + at, ss, mask=band)" in src
     npiv = mod._SAMPLE_PIVOTS
-    keys = s.view(np.int32)
-    keys = np.where(keys >= 0, keys, keys ^ 0x7FFFFFFF).astype(np.int64)
+    keys = mod._ordered_keys(torch.from_numpy(s)).numpy().astype(np.int64)
     nsteps = -(-vocab // block)
     step_of = np.arange(vocab) // block
     n = Counter(pass1=nsteps)
@@ -157,14 +159,11 @@ def replay(mod, src: str, s: np.ndarray, top_k, top_p) -> tuple[Counter, float]:
     kk = vocab if top_k is None else top_k
     pp = np.inf if top_p is None else top_p
 
-    def key_of(v):
-        b = np.float32(v).view(np.int32).astype(np.int64)
-        return b if b >= 0 else b ^ 0x7FFFFFFF
+    def key_of(v):  # the kernel's _key_of / ddtree_utils._ordered_keys of one float32
+        return int(mod._ordered_keys(torch.tensor([v], dtype=torch.float32))[0])
 
     def value_of(k):
-        k = int(k)
-        b = k if k >= 0 else k ^ 0x7FFFFFFF
-        return float(np.int32(b).view(np.float32))
+        return float(mod._from_ordered_keys(torch.tensor([int(k)], dtype=torch.int32))[0])
 
     lo, hi = key_of(float(s.min())) - 1, key_of(peak)
     c = np.arange(npiv)
@@ -235,16 +234,16 @@ def main() -> int:
     ap.add_argument("--buffer-div", type=int, help="replay this checkout with a buffer of V / this")
     args = ap.parse_args()
     os.environ.pop("TRITON_INTERPRET", None)
-    work = Path(tempfile.mkdtemp(prefix="sampling_model_"))
     versions = []
-    for ref in (args.ref, None):
-        mod, path = load_version(ref, work)
-        if ref is None and args.buffer_div:
-            mod._SAMPLE_BUFFER_DIV = args.buffer_div
-        sizes, regs = sass(mod, path, args.vocab, work)
-        versions.append((ref or "this checkout", mod, path.read_text(), sizes, regs))
-        print(f"{ref or 'this checkout'}: {regs} registers/thread, loop bodies (instructions "
-              f"per iteration per warp): {sizes}")  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="sampling_model_") as tmp:
+        for ref in (args.ref, None):
+            mod, path = load_version(ref, Path(tmp))
+            if ref is None and args.buffer_div:
+                mod._SAMPLE_BUFFER_DIV = args.buffer_div
+            sizes, regs = sass(mod, path, args.vocab, Path(tmp))
+            versions.append((ref or "this checkout", mod, path.read_text(), sizes, regs))
+            print(f"{ref or 'this checkout'}: {regs} registers/thread, loop bodies (instructions "
+                  f"per iteration per warp): {sizes}")  # fmt: skip
     gen = torch.Generator().manual_seed(0)
     x = (torch.randn(args.rows, args.vocab, generator=gen) / args.temp).numpy().astype(np.float32)
     print(f"{args.rows} rows of {args.vocab} N(0, 1) logits at T {args.temp}; per row, mean:")

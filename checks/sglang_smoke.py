@@ -196,6 +196,26 @@ def probe_server_args(models_root: Path, version: str | None = None) -> dict:
     return got
 
 
+_BS, _DEPTH, _VOCAB, _BUDGET = 2, 4, 12, 5  # the probes' round: 2 requests, N = 6 verify nodes
+
+
+def _probe_tree(gen, prefix_lens, **compile_kw):
+    """The probes' tree and target: ``(compiled tree, candidates [2, N], target predictions
+    [2, N])``. Request 0's target agrees with the first child at every node (a path is
+    accepted); request 1's agrees with nothing (only the bonus)."""
+    import torch
+    from sglang.srt.speculative import ddtree_utils as du
+
+    logp, ids = du.draft_topk_logprobs(torch.randn(_BS, _DEPTH, _VOCAB, generator=gen), 3)
+    tree = du.build_tree_reference(logp, ids, _BUDGET)
+    ct = du.compile_tree(tree, torch.tensor([7, 9]), prefix_lens, **compile_kw)
+    cand = ct.draft_tokens.view(_BS, _BUDGET + 1)
+    first_child = cand.gather(1, ct.retrieve_next_token.clamp(min=0))
+    predict = torch.where(ct.retrieve_next_token >= 0, first_child, torch.full_like(first_child, _VOCAB - 1))
+    predict[1, 0] = next(t for t in range(_VOCAB) if t not in cand[1].tolist())  # root child: none
+    return ct, cand, predict
+
+
 def probe_verify() -> str:
     """One tiny greedy DDTreeVerifyInput verify against ddtree_utils' reference, when present.
 
@@ -221,15 +241,10 @@ def probe_verify() -> str:
     if not hasattr(dflash_info, "DDTreeVerifyInput"):
         return "DDTreeVerifyInput not in this build: verify skipped"
     gen = torch.Generator().manual_seed(0)
-    bs, depth, vocab, budget, hid = 2, 4, 12, 5, 3
+    bs, depth, vocab, budget, hid = _BS, _DEPTH, _VOCAB, _BUDGET, 3
     n = budget + 1
-    topk_logp, topk_ids = du.draft_topk_logprobs(torch.randn(bs, depth, vocab, generator=gen), 3)
     seq_lens = torch.tensor([5, 3])
-    ct = du.compile_tree(du.build_tree_reference(topk_logp, topk_ids, budget), torch.tensor([7, 9]), seq_lens)
-    cand = ct.draft_tokens.view(bs, n)
-    first_child = cand.gather(1, ct.retrieve_next_token.clamp(min=0))
-    predict = torch.where(ct.retrieve_next_token >= 0, first_child, torch.full_like(first_child, vocab - 1))
-    predict[1, 0] = next(t for t in range(vocab) if t not in cand[1].tolist())  # root child: none
+    ct, cand, predict = _probe_tree(gen, seq_lens)
 
     pool = ReqToTokenPool(size=4, max_context_len=64, device="cpu", enable_memory_saver=False)
     alloc = TokenToKVPoolAllocator(size=128, dtype=torch.bfloat16, device="cpu", kvcache=None, need_sort=False)
@@ -311,17 +326,11 @@ def probe_round_v2() -> str:
     )
     from sglang.srt.speculative.ddtree_worker_v2 import DDTreeWorkerV2
 
-    gen = torch.Generator().manual_seed(0)
-    bs, depth, vocab, budget, block = 2, 4, 12, 5, 8
+    bs, depth, budget, block = _BS, _DEPTH, _BUDGET, 8
     n, width = budget + 1, budget + 1 + depth + 1  # verify nodes + staging of the KV move
-    logp, ids = du.draft_topk_logprobs(torch.randn(bs, depth, vocab, generator=gen), 3)
     prefix = torch.tensor([5, 3])
-    ct = du.compile_tree(du.build_tree_reference(logp, ids, budget), torch.tensor([7, 9]), prefix,
-                         build_custom_mask=False, max_depth=depth)  # fmt: skip
-    cand = ct.draft_tokens.view(bs, n)
-    first_child = cand.gather(1, ct.retrieve_next_token.clamp(min=0))
-    predict = torch.where(ct.retrieve_next_token >= 0, first_child, torch.full_like(first_child, vocab - 1))
-    predict[1, 0] = next(t for t in range(vocab) if t not in cand[1].tolist())  # root child: none
+    ct, cand, predict = _probe_tree(torch.Generator().manual_seed(0), prefix,
+                                    build_custom_mask=False, max_depth=depth)  # fmt: skip
 
     pool = ReqToTokenPool(size=bs + 1, max_context_len=64, device="cpu", enable_memory_saver=False)
     alloc = TokenToKVPoolAllocator(128, torch.bfloat16, "cpu", None, False)

@@ -5,6 +5,9 @@ finds the right set. CPU only; the machine-code half of the model is not run her
 from __future__ import annotations
 
 import importlib.util
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -37,3 +40,14 @@ def test_replay_ends_on_the_rules_threshold(top_k, top_p):
         assert got == float(thr[r]), (r, got, float(thr[r]))
         assert counts["passes"] >= 1 and counts["draw_steps"] >= 1
         assert counts["substeps"] + counts["buffer_substeps"] > 0
+
+
+def test_a_revision_without_the_file_is_a_clear_error(tmp_path):
+    """--ref naming nothing: one line saying so, exit 1, no traceback, no temporary files left."""
+    before = set(Path(tempfile.gettempdir()).glob("sampling_model_*"))
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "sampling_model.py"), "--ref", "no-such-rev"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 1
+    assert proc.stderr.startswith("--ref no-such-rev: no ddtree_utils.py there"), proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+    assert set(Path(tempfile.gettempdir()).glob("sampling_model_*")) == before
