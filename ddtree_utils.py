@@ -1507,13 +1507,13 @@ if triton is not None:
         )  # Q(lo) is taken as false: no candidate lies at or below lo
         hi = _key_of(peak)  # Q(max) is true: nothing lies strictly above the max
         thr_key = lo + 1  # min-p (or no limit) only
+        peak64 = peak.to(tl.float64)  # masses are exp(s - peak) in float64 (search and draw)
         if SEARCH:  # compiled out when the caller knows that no row has top-k / top-p
             search = sample & ((kk < V) | (pp < float("inf")))
             inside = tl.where(search, 1, 0)
             passes = 0
             c = tl.arange(0, NP)
             soffs = tl.arange(0, SBLOCK)
-            peak64 = peak.to(tl.float64)
             pp64 = pp.to(tl.float64)
             n_hi = 0  # count strictly above hi (carried: hi only moves down)
             m_hi = tl.full([], 0.0, tl.float64)  # mass strictly above hi, unnormalised
@@ -1644,13 +1644,12 @@ if triton is not None:
         w_steps = tl.zeros([NS], tl.float64)
         drawn = arg
         if sample:
-            peak_d = peak.to(tl.float64)
             for start in range(0, V, BLOCK):
                 cols = start + offs
                 s = _load_scaled(x_row, cols, V, temp)
                 keep = (s >= thr) & (cols < V)
                 if tl.max(keep.to(tl.int32), axis=0) > 0:
-                    w = tl.sum(tl.where(keep, tl.exp(s.to(tl.float64) - peak_d), 0.0), axis=0)
+                    w = tl.sum(tl.where(keep, tl.exp(s.to(tl.float64) - peak64), 0.0), axis=0)
                     w_steps = tl.where(steps == start // BLOCK, w, w_steps)
             cum = tl.cumsum(w_steps, axis=0)  # [NS] mass up to and including each step
             r0, r1, _, _ = tl.randint4x(tl.load(seed_ptr), row.to(tl.int32))
@@ -1663,7 +1662,7 @@ if triton is not None:
             cols = j * BLOCK + offs
             s = _load_scaled(x_row, cols, V, temp)
             keep = (s >= thr) & (cols < V)
-            run = mass_before + tl.cumsum(tl.where(keep, tl.exp(s.to(tl.float64) - peak_d), 0.0), axis=0)
+            run = mass_before + tl.cumsum(tl.where(keep, tl.exp(s.to(tl.float64) - peak64), 0.0), axis=0)
             pick = tl.min(tl.where(keep & (run > target), cols, V), axis=0)
             fallback = tl.max(tl.where(keep, cols, -1), axis=0)  # rounding: the step's last kept
             drawn = tl.where(pick < V, pick, fallback)
