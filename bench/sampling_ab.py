@@ -216,16 +216,17 @@ def main_kernel(x, temp, kk, pp, log_mp, greedy):
 
 
 def new_kernel(warps: int, sblock: int, search: bool, buffer_cap: int | None = None,
-               programs: int | None = None, maxnreg: int | None = None):  # fmt: skip
+               programs: int | None = None, maxnreg: int | None | str = "default"):  # fmt: skip
     """The current kernel (du._sample_rows_triton) with this launch configuration
     (``buffer_cap`` 0: without the search's buffer; ``programs``: how many share the rows;
-    ``maxnreg``: a register cap)."""
+    ``maxnreg``: a register cap, None for none, "default" for du._SAMPLE_MAXNREG)."""
 
     def run(x, temp, kk, pp, log_mp, greedy):
         old = du._SAMPLE_WARPS, du._SAMPLE_WARPS_NO_SEARCH, du._SAMPLE_SBLOCK, du._SAMPLE_MAXNREG
         du._SAMPLE_WARPS = du._SAMPLE_WARPS_NO_SEARCH = warps
         du._SAMPLE_SBLOCK = sblock
-        du._SAMPLE_MAXNREG = maxnreg
+        if maxnreg != "default":
+            du._SAMPLE_MAXNREG = maxnreg
         try:
             return du._sample_rows_triton(
                 x, temp, kk, pp, log_mp, greedy, None, search, buffer_cap, programs
@@ -306,6 +307,9 @@ def main() -> int:
                     help="also run the current kernel with a buffer of V / each of these")
     ap.add_argument("--programs-per-sm", type=int, nargs="*", default=[0, 2],
                     help="also run it with these programs per multiprocessor (0: one per row)")
+    ap.add_argument("--reg-programs", nargs="*", default=["0x3"],
+                    help="CUDA, 4 warps: also run with REGxPERSM (a register cap, 0 for none, "
+                    "and programs per multiprocessor); 0x3 is the uncapped kernel before the cap")  # fmt: skip
     ap.add_argument("--smoke", action="store_true", help="CPU + Triton interpreter, 4 x 2048, 1 rep")
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -347,9 +351,11 @@ def main() -> int:
                 n = per_sm * torch.cuda.get_device_properties(device).multi_processor_count if per_sm and cuda else args.rows
                 label = f"new {w}w SBLOCK {sb} " + (f"{per_sm}/SM" if per_sm else "1/row")
                 variants.append((label, new_kernel(w, sb, True, None, n)))
-            if cuda and w == 4:  # 128 registers: four programs fit per multiprocessor
-                n = 4 * torch.cuda.get_device_properties(device).multi_processor_count
-                variants.append((f"new {w}w SBLOCK {sb} maxnreg 128 4/SM", new_kernel(w, sb, True, None, n, 128)))
+            for rp in args.reg_programs if cuda and w == 4 else []:  # register cap x programs per SM
+                reg, per_sm = (int(v) for v in rp.split("x"))
+                n = per_sm * torch.cuda.get_device_properties(device).multi_processor_count
+                label = f"new {w}w SBLOCK {sb} " + (f"maxnreg {reg}" if reg else "no reg cap") + f" {per_sm}/SM"
+                variants.append((label, new_kernel(w, sb, True, None, n, reg or None)))
         if no_filter:  # what sample_from_logits launches when the host knows
             for w in sorted({int(c.split("x")[0]) for c in args.configs}):
                 variants.append((f"new {w}w no search", new_kernel(w, du._SAMPLE_SBLOCK, False)))
