@@ -23,7 +23,8 @@ def signature(fn, types: dict) -> dict:
     return {name: types.get(name, "constexpr") for name in fn.arg_names}
 
 
-def compile_one(fn, types: dict, consts: dict, arch: int, warps: int) -> str:
+def compile_one(fn, types: dict, consts: dict, arch: int, warps: int | dict) -> str:
+    """``warps``: num_warps, or the whole options dict (num_warps and e.g. maxnreg)."""
     sig = signature(fn, types)
     names = list(sig)
     src = ASTSource(
@@ -32,7 +33,7 @@ def compile_one(fn, types: dict, consts: dict, arch: int, warps: int) -> str:
         constexprs={(names.index(k),): v for k, v in consts.items()},
     )
     kernel = triton.compile(
-        src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps}
+        src, target=GPUTarget("cuda", arch, 32), options=warps if isinstance(warps, dict) else {"num_warps": warps}
     )
     return f"{len(kernel.asm['cubin'])} bytes of cubin"
 
@@ -56,6 +57,8 @@ SAMPLE_CONSTS = {"BLOCK": du._SAMPLE_BLOCK, "SBLOCK": du._SAMPLE_SBLOCK,
                  "SEARCH": True, "CAP": du._sample_buffer_cap(151936, du._SAMPLE_SBLOCK),
                  "NS": du._pow2(-(-151936 // du._SAMPLE_BLOCK))}  # fmt: skip
 SAMPLE_NO_SEARCH = {**SAMPLE_CONSTS, "SEARCH": False, "CAP": 0}
+# the search kernel's launch options as _sample_rows_triton passes them (its register cap)
+SAMPLE_OPTS = {"num_warps": du._SAMPLE_WARPS, **({"maxnreg": du._SAMPLE_MAXNREG} if du._SAMPLE_MAXNREG else {})}
 TREE_ATTN_PREFIX = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "indptr_ptr": "*i32",
                     "indices_ptr": "*i64", "ws_o_ptr": "*fp32", "ws_lse_ptr": "*fp32", "N": "i32",
                     "G": "i32", "D": "i32", "S": "i32", "RB": "i32", "q_s0": "i32", "q_s1": "i32",
@@ -85,8 +88,8 @@ CASES = [
     (du._sumexp_partial_kernel, SUMEXP, {"CHUNK": 8192}, 8),
     # the target sampler as sample_from_logits launches it at V >= 1024, fp32 and bf16 logits,
     # with the threshold search and compiled without it (no row with top-k / top-p)
-    (du._sample_rows_kernel, SAMPLE, SAMPLE_CONSTS, du._SAMPLE_WARPS),
-    (du._sample_rows_kernel, {**SAMPLE, "x_ptr": "*bf16"}, SAMPLE_CONSTS, du._SAMPLE_WARPS),
+    (du._sample_rows_kernel, SAMPLE, SAMPLE_CONSTS, SAMPLE_OPTS),
+    (du._sample_rows_kernel, {**SAMPLE, "x_ptr": "*bf16"}, SAMPLE_CONSTS, SAMPLE_OPTS),
     (du._sample_rows_kernel, SAMPLE, SAMPLE_NO_SEARCH, du._SAMPLE_WARPS_NO_SEARCH),
     # the KV path move for depth + 1 = 2 and 16 rows per request
     (du._move_kv_rows_kernel, KV_MOVE, {"KP": 2, "TILE": du._KV_MOVE_TILE}, 4),
