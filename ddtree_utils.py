@@ -1836,7 +1836,7 @@ def sample_from_logits(
     draw from the kept tokens renormalised. Ties at the threshold are all kept; greedy rows
     give the first argmax. No host synchronisation and fixed shapes on either backend (CUDA
     graph capturable; the Triton path allocates ``O(R)`` plus, when it may search, a buffer of
-    about V / 4 float32 per program (three programs per multiprocessor: 60 MB on an H200 at
+    about V / 4 float32 per program (four programs per multiprocessor: 80 MB on an H200 at
     V = 151936, whatever R), the torch path works on at most
     ``max(1, 2**20 // V)`` rows at a time). Rows whose logits are all -inf give token 0; NaN or
     +inf logits are not supported.
