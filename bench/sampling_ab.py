@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
-"""A/B of the target sampler's Triton kernel: main's (b3a4fd6: key-linear pivots, every pass
-reads the row, Gumbel-max draw; frozen below) against the current ddtree_utils one
+"""A/B of the target sampler's Triton kernel: the one main had until the sixth session (labelled
+"main": b3a4fd6, key-linear pivots, every pass reads the row, Gumbel-max draw; frozen below) against the current ddtree_utils one
 (value-linear pivots with a key-linear guard, the search buffer of the bracket's values, the
 inverse-CDF draw), kernel alone, on a GPU (issue 13 item 1: top_p rows cost 1.28-1.47x a greedy
 round). The current kernel also runs without its buffer and with other buffer sizes
-(--buffer-divs).
+(--buffer-divs), with other program counts (--programs-per-sm) and register caps
+(--reg-programs).
 
 For R rows of V random logits at temperature T it times each kernel with CUDA events (median of
 --reps launches after a warm-up) for no filter, top_k 20, top_p 0.9, both, min_p 0.05 and min_p +
