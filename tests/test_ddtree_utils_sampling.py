@@ -612,3 +612,31 @@ def test_tree_walk_with_samples_is_lossless():
     assert chisquare(
         counts[expected > 0].numpy(), (biased[expected > 0] / biased.sum() * samples).numpy()
     ).pvalue < 1e-3
+
+
+def test_search_buffer_recompaction_keeps_ties_at_the_upper_key():
+    """A re-compaction of the search buffer keeps the tokens equal to the bracket's upper key.
+    Rows built so that it matters: a few tokens tie at the maximum and carry more than top_p of
+    the mass (so the threshold is the maximum and the upper key never moves), ~1000 tokens are
+    spread just below (the first pass's bracket, copied to the buffer) and the rest far below.
+    The second pass shrinks the bracket to the ties plus a few spread tokens, which re-compacts
+    the buffer; had the ties been dropped there, the next pass would see less than top_p of the
+    mass above a key just below the maximum and lower the threshold (a mutation that dropped
+    them passed every other test)."""
+    vocab, rows = 4096, 2
+    gen = torch.Generator().manual_seed(43)
+    x = torch.randn(rows, vocab, generator=gen) * 0.01 - 3.0
+    for r, ties in enumerate((10, 3)):
+        cols = torch.randperm(vocab, generator=gen)
+        x[r, cols[:ties]] = 2.0  # the maximum, tied
+        x[r, cols[ties : ties + 1000]] = 1.0 + 0.99 * torch.rand(1000, generator=gen)
+    temp = torch.full((rows,), 0.7)
+    top_k = torch.full((rows,), TOP_K_ALL)
+    top_p = torch.full((rows,), 0.005)
+    s = x / temp.view(rows, 1)
+    want = s >= s.max(dim=1, keepdim=True).values  # the ties alone hold more than top_p
+    assert torch.equal(du.target_probs_from_logits(x, temp, top_k, top_p) > 0, want)
+    params = du._sampling_rows(rows, vocab, x.device, temp, top_k, top_p, None)
+    assert du._sample_buffer_cap(vocab, du._sample_blocks(vocab)[1]) >= 1010  # the bracket fits
+    _, thr = du._sample_rows_triton(x, *params, torch.Generator().manual_seed(3), True)
+    assert torch.equal(s >= thr.view(rows, 1), want)
