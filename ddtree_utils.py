@@ -1672,6 +1672,14 @@ if triton is not None:
         tl.store(thr_ptr + row, thr)
 
 
+def _sample_launch_options(search: bool) -> dict:
+    """Launch options of the sampling kernel with / without the search: its num_warps and, with
+    the search, the register cap (also what tests/triton_aot.py compiles)."""
+    if not search:
+        return {"num_warps": _SAMPLE_WARPS_NO_SEARCH}
+    return {"num_warps": _SAMPLE_WARPS, **({"maxnreg": _SAMPLE_MAXNREG} if _SAMPLE_MAXNREG else {})}
+
+
 def _sample_programs(device: torch.device) -> int:
     """Programs of one sampling launch (at most one per row): _SAMPLE_PROGRAMS_PER_SM per
     multiprocessor on CUDA (what fits at once at the kernel's registers), else one per row."""
@@ -1731,7 +1739,6 @@ def _sample_rows_triton(
     block, sblock = _sample_blocks(vocab)
     if -(-vocab // sblock) >= 1 << 16:  # a search column's count of #gt + 65536 * #eq
         raise ValueError(f"vocabulary {vocab} too large for the sampling kernel")
-    warps = _SAMPLE_WARPS if search else _SAMPLE_WARPS_NO_SEARCH
     cap = 0 if not search else _sample_buffer_cap(vocab, sblock) if buffer_cap is None else buffer_cap
     # a search buffer per program: a bounded grid; without one, a program per row as usual
     grid = max(1, min(rows, programs or (_sample_programs(device) if cap else rows)))
@@ -1742,7 +1749,7 @@ def _sample_rows_triton(
         torch.zeros(1, dtype=torch.int32, device=device), rows, vocab, x.stride(0),
         BLOCK=block, SBLOCK=sblock, NP=_SAMPLE_PIVOTS,
         MAX_PASSES=_SAMPLE_MAX_PASSES, SEARCH=search, CAP=cap, NS=_pow2(-(-vocab // block)),
-        num_warps=warps, **({"maxnreg": _SAMPLE_MAXNREG} if search and _SAMPLE_MAXNREG else {}),
+        **_sample_launch_options(search),
     )  # fmt: skip
     return token, thr
 

@@ -57,8 +57,7 @@ SAMPLE_CONSTS = {"BLOCK": du._SAMPLE_BLOCK, "SBLOCK": du._SAMPLE_SBLOCK,
                  "SEARCH": True, "CAP": du._sample_buffer_cap(151936, du._SAMPLE_SBLOCK),
                  "NS": du._pow2(-(-151936 // du._SAMPLE_BLOCK))}  # fmt: skip
 SAMPLE_NO_SEARCH = {**SAMPLE_CONSTS, "SEARCH": False, "CAP": 0}
-# the search kernel's launch options as _sample_rows_triton passes them (its register cap)
-SAMPLE_OPTS = {"num_warps": du._SAMPLE_WARPS, **({"maxnreg": du._SAMPLE_MAXNREG} if du._SAMPLE_MAXNREG else {})}
+SAMPLE_OPTS = du._sample_launch_options(True)  # as _sample_rows_triton launches it
 TREE_ATTN_PREFIX = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "indptr_ptr": "*i32",
                     "indices_ptr": "*i64", "ws_o_ptr": "*fp32", "ws_lse_ptr": "*fp32", "N": "i32",
                     "G": "i32", "D": "i32", "S": "i32", "RB": "i32", "q_s0": "i32", "q_s1": "i32",
@@ -90,7 +89,7 @@ CASES = [
     # with the threshold search and compiled without it (no row with top-k / top-p)
     (du._sample_rows_kernel, SAMPLE, SAMPLE_CONSTS, SAMPLE_OPTS),
     (du._sample_rows_kernel, {**SAMPLE, "x_ptr": "*bf16"}, SAMPLE_CONSTS, SAMPLE_OPTS),
-    (du._sample_rows_kernel, SAMPLE, SAMPLE_NO_SEARCH, du._SAMPLE_WARPS_NO_SEARCH),
+    (du._sample_rows_kernel, SAMPLE, SAMPLE_NO_SEARCH, du._sample_launch_options(False)),
     # the KV path move for depth + 1 = 2 and 16 rows per request
     (du._move_kv_rows_kernel, KV_MOVE, {"KP": 2, "TILE": du._KV_MOVE_TILE}, 4),
     (du._move_kv_rows_kernel, KV_MOVE, {"KP": 16, "TILE": du._KV_MOVE_TILE}, 4),
