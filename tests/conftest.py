@@ -34,6 +34,29 @@ class _InstalledNamesOnly:
 sys.meta_path.insert(0, _InstalledNamesOnly)
 
 
+# -- tiers (pyproject's markers; `make test-fast` deselects interp, stat, ssh and slow) ------------
+# A ddtree_utils test whose source names the Triton backend or a kernel runs that kernel in Triton's
+# interpreter here: it is marked `interp` automatically, so new kernel tests land in the right tier.
+# `smoke` tests (one small case per kernel, tests/test_ddtree_utils_smoke.py) stay in the fast tier
+# and are what gate 7 runs of the interpreter.
+_INTERP_SIGNS = ('"triton"', "'triton'", "_triton(", "_kernel[")
+
+
+def pytest_collection_modifyitems(config, items):
+    import inspect
+
+    for item in items:
+        if not item.path.name.startswith("test_ddtree_utils") or item.get_closest_marker("smoke"):
+            continue
+        fn = getattr(item, "function", None)
+        try:
+            src = inspect.getsource(fn) if fn is not None else ""
+        except (OSError, TypeError):
+            src = ""
+        if "triton" in item.name or any(sign in src for sign in _INTERP_SIGNS):
+            item.add_marker(pytest.mark.interp)
+
+
 @pytest.fixture
 def project(tmp_path: Path) -> Project:
     """Snapshot of UPSTREAM, an empty series, a tiny ddtree_utils.py; nothing built yet."""

@@ -112,6 +112,7 @@ def run_round(roots: torch.Tensor, lp, ids, budget, trans, gen):
     return cand, acc, acc_len, bonus
 
 
+@pytest.mark.stat
 def test_sampling_walk_is_lossless():
     """First two emitted tokens ~ p(a | root) p(b | a): chi-square, fixed seed, 60k samples."""
     vocab, samples = 3, 60000

@@ -604,6 +604,7 @@ def _req(m, i, **params):
     return m.Req(f"s{i}", "", [3, 4, 5], sp, vocab_size=VOCAB)
 
 
+@pytest.mark.stat
 def test_sampled_verify_draws_the_target_distribution_and_keeps_greedy_rows_exact(
     m, sampler, monkeypatch, tiny_args
 ):

@@ -24,6 +24,7 @@ def last_line(text: str) -> str:
     return [ln for ln in text.splitlines() if ln.strip()][-1]
 
 
+@pytest.mark.slow
 def test_gate_passes_on_the_build(sglang_overlay):
     proc = run_gate(sglang_overlay.build_dir)
     assert proc.returncode == sglang_smoke.OK, proc.stdout + proc.stderr[-3000:]
@@ -33,6 +34,7 @@ def test_gate_passes_on_the_build(sglang_overlay):
     assert f"{n_modules} modules import" in summary
 
 
+@pytest.mark.slow
 def test_gate_fails_when_validation_is_broken(sglang_overlay, tmp_path):
     broken = tmp_path / "build"
     shutil.copytree(sglang_overlay.build_dir, broken)

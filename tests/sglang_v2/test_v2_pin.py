@@ -21,6 +21,7 @@ SITE = pins.sglang_site("0.5.16")
 
 pytestmark = [
     pytest.mark.sglang,
+    pytest.mark.slow,
     pytest.mark.skipif(
         SITE is None,
         reason=f"no sglang 0.5.16 test site in {pins.sites_root()} (scripts/install_sglang_env.sh)",
