@@ -8,14 +8,15 @@ TO ?=
 PIN ?=
 PINOPT := $(if $(PIN),--pin $(PIN),)
 
-.PHONY: refresh setup patch check test test-gpu series push plan status rollback bench bench-serve clean help
+.PHONY: refresh setup patch check test test-fast test-gpu series push plan status rollback bench bench-serve clean help
 
 help:
 	@echo "make setup      create $(VENV) and install the project, its tests and the SGLang test environment"
 	@echo "make patch      build build/sglang-<ver>/ of every pin (snapshot/sglang-<ver>/ + patches/<ver>/series) and run the quality gates"
 	@echo "make check      run the quality gates on the current build of every pin"
 	@echo "                PIN=<ver> for one pin: make patch PIN=0.5.16, make check|series PIN=..., make refresh PATCH=... [PIN=...]"
-	@echo "make test       run the test suite"
+	@echo "make test       run the test suite (what CI runs; about 12 min on 2 cores, in parallel with pytest-xdist)"
+	@echo "make test-fast  the inner loop: everything but the interpreter, statistical, sshd and slow tiers (under 3 min)"
 	@echo "make push HOST=ct200 | make plan HOST=ct200 | make status HOST=ct200 | make rollback HOST=ct200 [TO=<release>|pristine]"
 	@echo "make bench-serve URL='http://127.0.0.1:30000 ct200' PROMPTS=prompts.jsonl [ARGS='--concurrency 1,4 --plot b.png']"
 
@@ -35,8 +36,16 @@ check: $(PY)
 series: $(PY)
 	$(CLI) series $(PINOPT)
 
+# Parallel workers (pytest-xdist); each sshd test module starts its own test bed in its worker.
+# The tiers (markers in pyproject.toml): interp, stat, ssh, slow run in `test`, not in `test-fast`.
+WORKERS ?= 2
+FAST_TIER := not (interp or stat or ssh or slow or gpu)
+
 test: $(PY)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(WORKERS) --dist loadgroup tests
+
+test-fast: $(PY)
+	$(PY) -m pytest -q -n $(WORKERS) -m "$(FAST_TIER)" tests
 
 test-gpu: $(PY)
 	$(PY) -m pytest -q -m gpu tests/gpu

@@ -71,6 +71,11 @@ class GateResult:
     summary: str = ""
     details: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    reused_from: str = ""  # when a passing result was reused: the time the gate last ran
+
+    @property
+    def reused(self) -> bool:
+        return bool(self.reused_from)
 
     def to_json(self) -> dict:
         return {
@@ -81,4 +86,6 @@ class GateResult:
             "summary": self.summary,
             "details": self.details,
             "seconds": round(self.seconds, 3),
+            "reused": self.reused,
+            **({"reused_from": self.reused_from} if self.reused else {}),
         }

@@ -9,6 +9,9 @@ installed by scripts/install_sglang_env.sh). Skipped when that module is absent.
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from ..deploy.buildinfo import MANIFEST_NAME
 from ..deploy.pins import sglang_env
 from .base import FAIL, PASS, SKIP, Context, GateResult, Step
 
@@ -19,6 +22,18 @@ SKIPPED_RC = 77
 def _last(text: str) -> str:
     lines = [ln for ln in text.strip().splitlines() if ln.strip()]
     return lines[-1] if lines else ""
+
+
+def inputs(ctx: Context) -> tuple[list, list[str]]:
+    """What decides this gate's result (for reuse): the build (its manifest, checked against the
+    files), the smoke script and its fixtures, the repository's ddtree modules, and which sglang
+    site and Python run it."""
+    info = ctx.build()  # ConfigError when the build's files differ from its manifest
+    site = sglang_env(info.sglang_version, ctx.python).get("PYTHONPATH", "")
+    dists = sorted(p.name for part in site.split(":") if part for p in Path(part).glob("sglang-*.dist-info"))
+    files = [info.root / MANIFEST_NAME, ctx.repo_root / "checks" / "sglang_smoke.py",
+             ctx.repo_root / "tests" / "sglang" / "fixtures.py", *sorted(ctx.repo_root.glob("ddtree_*.py"))]
+    return files, [info.build_id, site, *dists, ctx.python]
 
 
 def run(ctx: Context, step: Step) -> GateResult:

@@ -65,6 +65,7 @@ BuildDir = Annotated[
 UtilsPath = Annotated[Path, typer.Option("--ddtree-utils", help="The ddtree_utils.py to ship.")]
 JsonOut = Annotated[bool, typer.Option("--json", help="Write a JSON report to stdout.")]
 Skip = Annotated[list[str] | None, typer.Option("--skip", help="Skip this gate (number or name; repeatable).")]
+Fresh = Annotated[bool, typer.Option("--fresh", help="Run every gate, even one whose inputs are unchanged since its last pass.")]
 Pythons = Annotated[
     list[str] | None, typer.Option("--python", help="Also py_compile with this interpreter (repeatable).")
 ]
@@ -98,7 +99,7 @@ def _build_json(result) -> dict:
     }
 
 
-def _run_gates_with_progress(ctx: Context, gates, label: str = "") -> list[GateResult]:
+def _run_gates_with_progress(ctx: Context, gates, label: str = "", reuse: bool = True) -> list[GateResult]:
     lead = f"{label}: " if label else ""
     with _progress() as progress:
         task = progress.add_task(f"{lead}quality gates", total=len(gates))
@@ -113,7 +114,7 @@ def _run_gates_with_progress(ctx: Context, gates, label: str = "") -> list[GateR
         def step(msg: str) -> None:
             progress.update(task, description=f"{lead}gate {started[-1].NUMBER} {started[-1].NAME}: {msg}")
 
-        results = run_gates(ctx, gates, on_start=on_start, step=step)
+        results = run_gates(ctx, gates, on_start=on_start, step=step, reuse=reuse)
         progress.advance(task)
     return results
 
@@ -131,7 +132,8 @@ def _show_gates(results: list[GateResult], title: str = "Quality gates") -> None
         table.add_column(col, **kw)
     for r in results:
         table.add_row(
-            str(r.number), Text(r.name), str(r.files), STATUS_STYLE[r.status], f"{r.seconds:.1f}", Text(r.summary)
+            str(r.number), Text(r.name), str(r.files), STATUS_STYLE[r.status] + (" [dim](reused)[/]" if r.reused else ""),
+            f"{r.seconds:.1f}", Text(f"inputs unchanged since the pass at {r.reused_from}: {r.summary}" if r.reused else r.summary),
         )
     console.print(table)
     for r in results:
@@ -175,7 +177,7 @@ def _doc(per_pin: list[dict], **top) -> dict:
     return doc
 
 
-def _gate_pins(pins: list[Pin], gates, build_root, ddtree_utils, python, tests_dir=None) -> dict[str, list[GateResult]]:
+def _gate_pins(pins: list[Pin], gates, build_root, ddtree_utils, python, tests_dir=None, reuse: bool = True) -> dict[str, list[GateResult]]:
     """Run the gates of every pin; gate 7 (the ddtree_utils tests, the same for every pin) runs
     once and its result is recorded for each pin."""
     out: dict[str, list[GateResult]] = {}
@@ -183,7 +185,7 @@ def _gate_pins(pins: list[Pin], gates, build_root, ddtree_utils, python, tests_d
     for p in pins:
         ctx = Context(inputs=p.inputs(build_root, ddtree_utils), extra_pythons=python or [], tests_dir=tests_dir)
         todo = [g for g in gates if not (g is gate_unit and unit is not None)]
-        results = _run_gates_with_progress(ctx, todo, f"sglang {p.version}")
+        results = _run_gates_with_progress(ctx, todo, f"sglang {p.version}", reuse)
         if any(g is gate_unit for g in gates):
             if unit is None:
                 unit = next(r for r in results if r.number == gate_unit.NUMBER)
@@ -217,6 +219,7 @@ def patch(
     patches_root: PatchesRoot = PATCHES_ROOT,
     no_check: Annotated[bool, typer.Option("--no-check", help="Build only; skip the quality gates.")] = False,
     skip: Skip = None,
+    fresh: Fresh = False,
     python: Pythons = None,
     json_out: JsonOut = False,
 ) -> None:
@@ -246,7 +249,7 @@ def patch(
         ok(f"sglang {escape(p.version)}: built {escape(str(info.root))} (build {info.build_id}: {counts})")
         built.append(p)
         per_pin[p.version] = {"pin": p.version, "build": _build_json(result), "gates": [], "ok": True}
-    results = _gate_pins(built, gates, build_dir, ddtree_utils, python) if gates else {}
+    results = _gate_pins(built, gates, build_dir, ddtree_utils, python, reuse=not fresh) if gates else {}
     for v, rs in results.items():
         per_pin[v].update(gates=[r.to_json() for r in rs], ok=all(r.status != FAIL for r in rs))
     rows = sorted(per_pin.values(), key=lambda d: pins_mod.version_key(d["pin"]))
@@ -269,13 +272,14 @@ def check(
         list[str] | None, typer.Option("--gate", "-g", help="Run only this gate (number or name; repeatable).")
     ] = None,
     skip: Skip = None,
+    fresh: Fresh = False,
     python: Pythons = None,
     json_out: JsonOut = False,
 ) -> None:
     """Run the quality gates on the current build of every pin (or --pin V); non-zero exit when any gate fails."""
     pins, chosen = _pins(pin, snapshot_dir, patches_dir, snapshot_root, patches_root)
     pins, skipped = _skip_empty(pins, chosen)
-    results = _gate_pins(pins, select(gate, skip), build_dir, ddtree_utils, python)
+    results = _gate_pins(pins, select(gate, skip), build_dir, ddtree_utils, python, reuse=not fresh)
     rows = skipped + [
         {"pin": p.version, "build_dir": str(pins_mod.build_dir(p.version, build_dir)),
          "gates": [r.to_json() for r in results[p.version]],

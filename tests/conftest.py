@@ -16,6 +16,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Gate results are reused across runs only where a test asks for it (tests/test_checks.py): the
+# CLI and the gates that tests start run every gate (checks/registry.py, DDTREE_GATE_CACHE).
+os.environ.setdefault("DDTREE_GATE_CACHE", "off")
+
 import pytest
 from foundation_support import UPSTREAM, Project, edit, udiff
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 import textwrap
@@ -18,7 +19,7 @@ from ddtree_deploy.checks import (
     gate_unit,
 )
 from ddtree_deploy.checks.base import FAIL, PASS, SKIP, Context
-from ddtree_deploy.checks.registry import GATES, run_gates, select
+from ddtree_deploy.checks.registry import GATES, cache_path, run_gates, select
 from ddtree_deploy.deploy.build import build, describe, prepare, write_manifest
 from ddtree_deploy.deploy.errors import UsageError
 from foundation_support import REPO_ROOT, UPSTREAM, Project, edit, udiff
@@ -201,6 +202,67 @@ def test_gate7_runs_ddtree_utils_tests(built):
     (built.tests_dir / "test_ddtree_utils_b.py").write_text("def test_b():\n    assert sorted([2, 1]) == [2, 1]\n")
     r = gate_unit.run(ctx, NOOP)
     assert r.status == FAIL and "1 failed" in r.summary
+
+
+def test_gate7_runs_the_fast_tier_only(built):
+    """Gate 7 deselects the tiers `make test` adds (interp, stat, slow) and keeps smoke tests."""
+    built.tests_dir.mkdir()
+    (built.tests_dir / "test_ddtree_utils_a.py").write_text(textwrap.dedent("""
+        import pytest
+
+        def test_fast():
+            assert 1 + 1 == 2
+
+        @pytest.mark.smoke
+        def test_smoke():
+            assert 2 * 2 == 4
+
+        @pytest.mark.stat
+        def test_stat():
+            raise AssertionError("a statistical test ran in the gate")
+
+        @pytest.mark.interp
+        def test_interp():
+            raise AssertionError("an interpreter test ran in the gate")
+    """))
+    r = gate_unit.run(ctx_for(built), NOOP)
+    assert r.status == PASS and "2 passed, 2 deselected" in r.summary, r.summary
+
+
+def test_gate_results_are_reused_while_their_inputs_are_unchanged(built, tmp_path, monkeypatch):
+    """A passing gate 7 is reused (not run) while ddtree_utils.py and its tests keep their bytes;
+    an edit of either, a failure, or reuse=False (`--fresh`) runs it; the record is the
+    DDTREE_GATE_CACHE file; other gates always run."""
+    monkeypatch.setenv("DDTREE_GATE_CACHE", str(tmp_path / "gates.json"))
+    ctx = ctx_for(built)
+    built.tests_dir.mkdir()
+    runs = built.tests_dir / "runs.txt"
+    test = built.tests_dir / "test_ddtree_utils_a.py"
+    test.write_text(f"def test_a():\n    open({str(runs)!r}, 'a').write('x')\n")
+
+    def gate7(reuse=True):
+        (r,) = run_gates(ctx, [gate_unit], reuse=reuse)
+        return r, len(runs.read_text()) if runs.exists() else 0
+
+    r, n = gate7()
+    assert (r.status, r.reused, n) == (PASS, False, 1)
+    r, n = gate7()
+    assert (r.status, r.reused, n) == (PASS, True, 1) and r.reused_from and "1 passed" in r.summary
+    assert r.to_json()["reused"] is True and r.to_json()["reused_from"] == r.reused_from
+    r, n = gate7(reuse=False)  # --fresh
+    assert (r.reused, n) == (False, 2)
+    built.utils.write_text(built.utils.read_text() + "\nEXTRA = 1\n")  # the module under test changed
+    r, n = gate7()
+    assert (r.reused, n) == (False, 3)
+    record = json.loads((tmp_path / "gates.json").read_text())
+    assert list(record) == [f"{ctx.version}/7"]
+    test.write_text(test.read_text() + "    assert False\n")  # a failing result is never reused
+    r, n = gate7()
+    assert (r.status, n) == (FAIL, 4) and json.loads((tmp_path / "gates.json").read_text()) == {}
+    (r_snap,) = run_gates(ctx, [gate_snapshot])
+    assert not r_snap.reused
+    monkeypatch.setenv("DDTREE_GATE_CACHE", "off")
+    assert cache_path(ctx) is None
 
 
 def test_a_crashing_gate_is_a_failure_not_an_abort(built):

@@ -144,9 +144,13 @@ def test_normaliser_kernel_rejects_nan_and_inf():
             du.draft_topk_logprobs(logits, 4, backend="triton")
 
 
-def test_kernels_compile_for_sm90(tmp_path):
-    """The interpreter accepts code the compiler may reject: compile every kernel for sm_90
-    (H100/H200) with the installed Triton and its bundled ptxas, no GPU needed."""
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", [90, 120])
+def test_kernels_compile_for_the_gpus_we_serve_on(tmp_path, arch):
+    """The interpreter accepts code the compiler may reject: compile every kernel with the
+    launch options the code uses, for sm_90 (H100/H200, where the project has run) and sm_120
+    (RTX PRO 6000 Blackwell, ct200's cards), with the installed Triton and its bundled ptxas, no
+    GPU needed. Over 60 s on 2 cores: ptxas on 16 specialisations, the largest a 3.8 MB cubin."""
     import subprocess
     import sys
     from pathlib import Path
@@ -155,7 +159,7 @@ def test_kernels_compile_for_sm90(tmp_path):
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
     script = Path(__file__).with_name("triton_aot.py")
     proc = subprocess.run(
-        [sys.executable, str(script), "90"],
+        [sys.executable, str(script), str(arch)],
         check=False,
         capture_output=True,
         text=True,

@@ -1,4 +1,5 @@
-"""Compile ddtree_utils' Triton kernels ahead of time for an H100/H200 (sm_90) without a GPU.
+"""Compile ddtree_utils' Triton kernels ahead of time without a GPU: `python tests/triton_aot.py
+[ARCH]`, ARCH 90 (H100/H200, the default) or 120 (RTX PRO 6000 Blackwell, as on ct200).
 
 Run by tests/test_ddtree_utils_triton.py in a subprocess without TRITON_INTERPRET (the
 interpreter accepts code that the compiler may reject). Uses Triton's own compiler and the
@@ -35,7 +36,32 @@ def compile_one(fn, types: dict, consts: dict, arch: int, warps: int | dict) -> 
     kernel = triton.compile(
         src, target=GPUTarget("cuda", arch, 32), options=warps if isinstance(warps, dict) else {"num_warps": warps}
     )
-    return f"{len(kernel.asm['cubin'])} bytes of cubin"
+    return f"{len(kernel.asm['cubin'])} bytes of cubin, {resource_usage(kernel.asm['cubin'])}"
+
+
+def resource_usage(cubin: bytes) -> str:
+    """Registers, spill stack, local and shared memory per thread / block of a cubin, from the
+    cuobjdump that Triton ships (what decides how many programs fit on a multiprocessor)."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists():
+        return "resource usage unknown (no cuobjdump in this Triton)"
+    fd, path = tempfile.mkstemp(suffix=".cubin")
+    try:
+        os.write(fd, cubin)
+        os.close(fd)
+        out = subprocess.run([str(tool), "--dump-resource-usage", path], capture_output=True, text=True).stdout
+    finally:
+        os.unlink(path)
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", out)
+    if not m:
+        return "resource usage unknown"
+    reg, stack, shared, local = m.groups()
+    return f"{reg} registers, stack {stack} B, local {local} B, shared {shared} B"
 
 
 BUILD = {"lp_ptr": "*fp32", "ids_ptr": "*i64", "pj_ptr": "*i32", "pr_ptr": "*i32",

@@ -39,16 +39,23 @@ def free_port() -> int:
 # -- the remote SGLang ------------------------------------------------------------------------------
 def sglang_site(version: str = SGLANG_VERSION) -> Path:
     """A pip --target install of the real sglang wheel of `version` (no deps), made once and cached."""
+    import fcntl
+
     cache = SITE_CACHE.with_name(f"site-{version}")
-    if (cache / "sglang" / "__init__.py").is_file():
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    # pytest-xdist workers share the cache: one installs, the others wait for it under the lock
+    with open(cache.with_name(cache.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (cache / "sglang" / "__init__.py").is_file():
+            return cache
+        tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        wheels = sorted((REPO / ".cache" / "wheels").glob(f"sglang-{version}-*.whl"))
+        src = [str(wheels[-1]), "--no-index"] if wheels else [f"sglang=={version}"]
+        sh(sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(tmp), *src)
+        shutil.rmtree(cache, ignore_errors=True)  # a half-made folder of an interrupted run
+        os.replace(tmp, cache)
         return cache
-    tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    wheels = sorted((REPO / ".cache" / "wheels").glob(f"sglang-{version}-*.whl"))
-    src = [str(wheels[-1]), "--no-index"] if wheels else [f"sglang=={version}"]
-    sh(sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(tmp), *src)
-    os.replace(tmp, cache)
-    return cache
 
 
 def tree_digest(root: Path) -> dict[str, str]:
