@@ -105,7 +105,7 @@ def bed(tmp_path_factory, site_cache, algorithm):
 def cli_env(bed, tmp_path):
     """Environment for running the real console script against the test inventory."""
     env = dict(os.environ, DDTREE_DEPLOY_HOSTS=str(bed["inventory"]), DDTREE_DEPLOY_STATE=str(tmp_path / "deploy-state"),
-               COLUMNS="160", DDTREE_DEPLOY_ALLOW_UNGATED="1")  # test builds skip the (slow) gates
+               COLUMNS="400", DDTREE_DEPLOY_ALLOW_UNGATED="1")  # test builds skip the (slow) gates
     # the faulty transport double (tests/deploy/faults/sitecustomize.py): inert unless DDTREE_TEST_FAULT is set
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(FAULTS), env.get("PYTHONPATH")) if p)
     env.pop("DDTREE_TEST_FAULT", None)
