@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+import ddtree_reference as dr
 import ddtree_utils as du
 
 
@@ -15,7 +16,7 @@ def _random_round(seed: int, bs: int = 5, depth: int = 6, k: int = 3, budget: in
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(bs, depth, 40, generator=g)
     logp, ids = du.draft_topk_logprobs(logits, k, backend="torch")
-    tree = du.build_tree_reference(logp, ids, budget)
+    tree = dr.build_tree_reference(logp, ids, budget)
     bonus = torch.randint(0, 40, (bs,), generator=g)
     seq_lens = torch.randint(0, 30, (bs,), generator=g)
     ct = du.compile_tree(tree, bonus, seq_lens, build_custom_mask=False, max_depth=depth, backend="torch")

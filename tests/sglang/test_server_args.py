@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
+import ddtree_serving
 import ddtree_sglang_fixtures as fixtures
 
 DRAFT_BLOCK = fixtures.draft_config()["block_size"]
@@ -55,7 +56,7 @@ def hook(sglang_overlay):
 
 def assert_ddtree_shape(args, *, block: int, budget: int, topk_cap: int) -> None:
     """The documented DDTREE contract between server args and the worker."""
-    from sglang.srt.arg_groups.speculative_hook import DDTREE_MAX_CUDA_GRAPH_TOKENS
+    from sglang.srt.speculative.ddtree_serving import DDTREE_MAX_CUDA_GRAPH_TOKENS
     from sglang.srt.mem_cache.common import get_alloc_len_per_decode
 
     assert args.speculative_algorithm == "DDTREE"
@@ -81,7 +82,7 @@ def assert_ddtree_shape(args, *, block: int, budget: int, topk_cap: int) -> None
 def test_defaults_follow_the_draft_block_size(parse, hook):
     args = parse("--attention-backend", "triton")
     budget = DRAFT_BLOCK - 1
-    assert_ddtree_shape(args, block=DRAFT_BLOCK, budget=budget, topk_cap=min(budget, hook.DDTREE_DEFAULT_TOPK_CAP))
+    assert_ddtree_shape(args, block=DRAFT_BLOCK, budget=budget, topk_cap=min(budget, ddtree_serving.DDTREE_DEFAULT_TOPK_CAP))
     assert args.speculative_ddtree_allow_hybrid_unsafe is False
     assert args.speculative_ddtree_debug_metrics is False
     assert args.max_running_requests == 48  # inherited from DFLASH
@@ -96,7 +97,7 @@ def test_explicit_budget_and_topk_cap(parse, hook, budget, topk_cap):
     if topk_cap is not None:
         extra += ["--speculative-ddtree-topk-cap", str(topk_cap)]
     args = parse(*extra)
-    want_cap = topk_cap if topk_cap is not None else min(budget, hook.DDTREE_DEFAULT_TOPK_CAP)
+    want_cap = topk_cap if topk_cap is not None else min(budget, ddtree_serving.DDTREE_DEFAULT_TOPK_CAP)
     assert_ddtree_shape(args, block=DRAFT_BLOCK, budget=budget, topk_cap=want_cap)
 
 
@@ -105,11 +106,11 @@ def test_cuda_graph_batch_sizes(parse, hook):
     small = parse("--attention-backend", "triton")  # verify width 16: nothing to trim
     assert small.cuda_graph_bs == dflash.cuda_graph_bs
     large = parse("--attention-backend", "triton", "--speculative-ddtree-budget", "255")
-    cap = hook.DDTREE_MAX_CUDA_GRAPH_TOKENS // 256
+    cap = ddtree_serving.DDTREE_MAX_CUDA_GRAPH_TOKENS // 256
     assert large.cuda_graph_bs == [bs for bs in dflash.cuda_graph_bs if bs <= cap]
     explicit = parse("--attention-backend", "triton", "--speculative-ddtree-budget", "1023",
                      "--cuda-graph-bs", "8", "16")
-    assert explicit.cuda_graph_bs == [hook.DDTREE_MAX_CUDA_GRAPH_TOKENS // 1024]
+    assert explicit.cuda_graph_bs == [ddtree_serving.DDTREE_MAX_CUDA_GRAPH_TOKENS // 1024]
 
 
 @pytest.mark.parametrize(("block", "cap", "budget"), [(16, 1, 15), (2, 3, 3), (3, 2, 6), (4, 2, 14)])
@@ -362,9 +363,9 @@ def test_help_documents_the_flags(sglang_overlay, hook):
                  "--speculative-ddtree-allow-hybrid-unsafe", "--speculative-ddtree-debug-metrics"):
         assert flag in text
     assert "NGRAM, DFLASH, DDTREE" in text
-    assert f"(1 to {hook.DDTREE_MAX_BUDGET})" in text
+    assert f"(1 to {ddtree_serving.DDTREE_MAX_BUDGET})" in text
     assert "Default: DFlash block size - 1" in text and "starting point" in text
-    assert f"Default: min(budget, {hook.DDTREE_DEFAULT_TOPK_CAP})" in text
+    assert f"Default: min(budget, {ddtree_serving.DDTREE_DEFAULT_TOPK_CAP})" in text
     assert "refused at startup" in text and "/get_server_info" in text
 
 
