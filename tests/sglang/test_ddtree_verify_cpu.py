@@ -17,6 +17,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import ddtree_reference as dr
+
 VOCAB = 64
 HIDDEN = 8
 BLOCK = 16
