@@ -6,8 +6,9 @@ Standard library only (no torch). Shipped next to ddtree_utils.py as
 hooks, so a rule is written once:
 
 * server arguments: the DDTREE-only flags (:func:`reject_ddtree_flags_without_ddtree`) and the
-  budget / top-k cap / DFlash block resolution (:func:`resolve_ddtree_server_args`), the CUDA-graph
-  batch sizes of the verify (:func:`verify_cuda_graph_bs`); what differs per pin (the scheduler's
+  budget / top-k cap / DFlash block resolution (:func:`resolve_ddtree_server_args`), the verify
+  backend and page size checks (:func:`verify_attention_backend`, :func:`check_page_size`), the
+  CUDA-graph batch sizes of the verify (:func:`verify_cuda_graph_bs`); what differs per pin (the scheduler's
   KV reservation, the attention backends a pin is tested with, model checks) stays in its hook;
 * per request: :func:`validate_ddtree_request` (both pins' schedulers);
 * serving limits derived from the budget (:func:`spec_steps_and_topk`, :func:`verify_token_limit`,
@@ -30,6 +31,7 @@ __all__ = [
     "DDTreeDebugMetrics",
     "VERIFY_LOGITS_MEMORY_SHARE",
     "VERIFY_SAMPLING_WORKSPACE_ROWS",
+    "check_page_size",
     "decode_kv_reservation",
     "graph_batch_size",
     "is_ddtree_algorithm",
@@ -40,6 +42,7 @@ __all__ = [
     "tree_capacity",
     "unsupported_sampling_param",
     "validate_ddtree_request",
+    "verify_attention_backend",
     "verify_cuda_graph_bs",
     "verify_max_running_requests",
     "verify_token_limit",
@@ -196,6 +199,34 @@ def resolve_ddtree_server_args(
                 f"1.0, got {value}."
             )
     return block_size, budget, topk_cap
+
+
+def verify_attention_backend(
+    prefill_backend: str | None,
+    decode_backend: str | None,
+    attention_mode: str | None,
+    tree_mask_backends: tuple[str, ...],
+) -> str:
+    """The attention backend that runs the target verify (the decode backend with
+    ``--speculative-attention-mode decode``, else the prefill backend), refused unless it is one
+    of the pin's ``tree_mask_backends`` (those that apply the tree mask in TARGET_VERIFY)."""
+    verify_backend = decode_backend if attention_mode == "decode" else prefill_backend
+    if verify_backend not in tree_mask_backends:
+        raise ValueError(
+            f"DDTREE needs a target attention backend that applies a tree mask in "
+            f"target verify ({', '.join(tree_mask_backends)}), got "
+            f"{verify_backend}. Pass e.g. --attention-backend flashinfer."
+        )
+    return verify_backend
+
+
+def check_page_size(page_size: int | None) -> None:
+    """Page size 1 only: the accepted path is not contiguous inside the verify block."""
+    if page_size is not None and int(page_size) > 1:
+        raise ValueError(
+            "DDTREE currently supports only --page-size 1 (the accepted tree path is "
+            f"not contiguous in the verify block), got page_size={page_size}."
+        )
 
 
 def verify_cuda_graph_bs(batch_sizes, verify_width: int) -> list[int] | None:
