@@ -13,7 +13,8 @@ hooks, so a rule is written once:
 * per request: :func:`validate_ddtree_request` (both pins' schedulers);
 * serving limits derived from the budget (:func:`spec_steps_and_topk`, :func:`verify_token_limit`,
   ...: the 0.5.13.post1 worker's; the 0.5.16 worker sizes its round in its own hook);
-* ``--speculative-ddtree-debug-metrics``: :class:`DDTreeDebugMetrics`.
+* the worker's sizes (:func:`worker_shape`) and ``--speculative-ddtree-debug-metrics``
+  (:class:`DDTreeDebugMetrics`).
 
 Units are tokens (= KV slots at page size 1) unless a name says bytes.
 """
@@ -21,7 +22,7 @@ Units are tokens (= KV slots at page size 1) unless a name says bytes.
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Callable, NamedTuple
 
 __all__ = [
     "DDTREE_DEFAULT_TOPK_CAP",
@@ -29,6 +30,7 @@ __all__ = [
     "DDTREE_MAX_BUDGET",
     "DDTREE_MAX_CUDA_GRAPH_TOKENS",
     "DDTreeDebugMetrics",
+    "WorkerShape",
     "VERIFY_LOGITS_MEMORY_SHARE",
     "VERIFY_SAMPLING_WORKSPACE_ROWS",
     "check_page_size",
@@ -46,6 +48,7 @@ __all__ = [
     "verify_cuda_graph_bs",
     "verify_max_running_requests",
     "verify_token_limit",
+    "worker_shape",
 ]
 
 logger = logging.getLogger(__name__)
@@ -434,3 +437,36 @@ class DDTreeDebugMetrics:
             out["avg_tree_size"] = self.tree_nodes / reqs
             out["avg_tree_build_ms"] = self.tree_build_ms / self.measured_rounds
         return out
+
+
+class WorkerShape(NamedTuple):
+    """A DDTREE worker's sizes, from the resolved server args (both pins' workers)."""
+
+    num_verify_tokens: int  # N = budget + 1
+    budget: int
+    max_depth: int  # D = min(budget, block - 1): the deepest acceptable path
+    topk: int  # per-depth draft candidates: the top-k cap, at most the budget and the vocab
+    verify_topk: int  # speculative_eagle_topk (> 1: the backends' tree paths)
+    debug_metrics: DDTreeDebugMetrics | None  # --speculative-ddtree-debug-metrics
+
+
+def worker_shape(server_args, block_size: int, page_size: int, vocab_size: int) -> WorkerShape:
+    """The sizes a DDTREE worker runs with; ValueError if the server args were not resolved by
+    :func:`resolve_ddtree_server_args` (verify width != budget + 1) or the page size is not 1."""
+    n = int(server_args.speculative_num_draft_tokens)
+    budget = int(server_args.speculative_ddtree_budget or n - 1)
+    if budget + 1 != n:
+        raise ValueError(
+            "DDTREE expects speculative_num_draft_tokens == budget + 1, got "
+            f"{n} and budget={budget}."
+        )
+    if page_size != 1:
+        raise ValueError(f"DDTREE requires page_size == 1, got {page_size}.")
+    max_depth = min(budget, int(block_size) - 1)
+    topk = max(1, min(int(server_args.speculative_ddtree_topk_cap or budget), budget, int(vocab_size)))
+    metrics = (
+        DDTreeDebugMetrics(max_depth, budget) if server_args.speculative_ddtree_debug_metrics else None
+    )
+    return WorkerShape(
+        n, budget, max_depth, topk, max(2, int(server_args.speculative_eagle_topk or 2)), metrics
+    )

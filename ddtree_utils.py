@@ -1,8 +1,13 @@
-"""DDTree core: draft top-k, exact draft-tree construction, tree compilation, reference verification.
+"""DDTree core, the module both pins import: draft top-k, exact draft-tree construction, tree
+compilation, the greedy tree walk, target sampling, the sync-free round pieces, tree-verify attention.
 
 Depends only on torch and the standard library; Triton, which every CUDA build of torch
-installs, is imported when present for three fused kernels (see the performance notes below).
-Shipped verbatim into SGLang as ``sglang/srt/speculative/ddtree_utils.py``.
+installs, is imported when present, and then the sibling module ``ddtree_triton`` (the kernels
+this module launches). Shipped verbatim into SGLang as ``sglang/srt/speculative/ddtree_utils.py``,
+with ``ddtree_triton.py`` next to it. The DDTREE serving rules both pins call (server args,
+request refusals, serving limits, debug metrics) are in ``ddtree_serving``; the oracles the tests
+check this module against (the paper's heap builder, the dense sampling reference, ...) are in
+``ddtree_reference``, which is never shipped.
 
 Vocabulary used throughout (shapes are documented per function):
 
@@ -29,7 +34,8 @@ for both at bs = 32, B = 64 when replayed from a CUDA graph, 0.2-0.5 ms eager) a
 :func:`draft_topk_logprobs` computes its normaliser with one Triton kernel after ``torch.topk``.
 Triton ships with CUDA builds of torch and is imported optionally: without it, or with
 ``backend="torch"``, the same results come from plain torch ops (which want a CUDA graph: eager
-dispatch costs 2-5 ms a call). On the CPU :func:`build_tree_reference` is the faster builder.
+dispatch costs 2-5 ms a call). On the CPU ``ddtree_reference.build_tree_reference`` is the faster
+builder.
 """
 
 from __future__ import annotations
@@ -351,10 +357,10 @@ def build_tree(
     topk_cap: int | None = None,
     backend: str = "auto",
 ) -> DDTree:
-    """Batched exact DDTree: identical output to :func:`build_tree_reference`.
+    """Batched exact DDTree: identical output to ``ddtree_reference.build_tree_reference``.
 
     No host synchronisation and fixed shapes (all loops run over the static L), so it can be
-    captured in a CUDA graph. Inputs as in :func:`build_tree_reference` (not validated here:
+    captured in a CUDA graph. Inputs as in ``ddtree_reference.build_tree_reference`` (not validated here:
     NaN or positive log-probabilities give an unspecified tree). Output on the inputs' device.
 
     Method: a per-depth beam of width B, each beam kept in lexicographic rank-tuple order, then
@@ -377,7 +383,8 @@ def build_tree(
     Ranks >= B never matter (B siblings of lower rank precede them), so K is capped at B.
 
     ``backend``: ``"auto"`` runs the fused Triton kernel (one program per request, one launch;
-    see the proof above ``ddtree_triton.ddtree_build_kernel``) for CUDA inputs when Triton imports and the
+    the pruned-grid proof is above ``ddtree_build_kernel`` in ddtree_triton.py) for CUDA inputs
+    when Triton imports and the
     per-program sorts fit, else the torch ops below; ``"torch"`` forces the torch ops;
     ``"triton"`` forces the kernel (also on the CPU when ``TRITON_INTERPRET=1``). The kernel's
     pruned-grid table is created on first use: make one call before CUDA-graph capture.
@@ -706,7 +713,7 @@ def compile_tree(
     """Turn a :class:`DDTree` into SGLang verify inputs (see :class:`CompiledTree`).
 
     Args:
-        tree: from :func:`build_tree` / :func:`build_tree_reference`.
+        tree: from :func:`build_tree` (or ``ddtree_reference.build_tree_reference``).
         bonus_tokens: ``[bs]`` the root token per request.
         seq_lens: ``[bs]`` committed length per request (the root's position).
         build_custom_mask: also build the flat FULL mask. Its length depends on ``seq_lens``, so
@@ -1228,7 +1235,7 @@ def sample_tree_targets(
 
     Returns ``[bs, N]`` int64: pass it as ``target_predict`` to ``sgl_kernel.verify_tree_greedy``
     (or :func:`verify_greedy_reference`), or as ``samples=`` to
-    :func:`verify_sampling_reference`; the walk is then lossless target sampling.
+    ``ddtree_reference.verify_sampling_reference``; the walk is then lossless target sampling.
     """
     if n_per_req < 1:
         raise ValueError(f"n_per_req must be >= 1, got {n_per_req}")
@@ -1652,7 +1659,7 @@ def tree_verify_attention(
     out: Tensor | None = None,
     splits: int | None = None,
 ) -> Tensor:
-    """Attention of a tree verify, as :func:`tree_verify_attention_reference` (same arguments),
+    """Attention of a tree verify, as ``ddtree_reference.tree_verify_attention_reference`` (same arguments),
     with two Triton kernels and no host sync (capturable in a CUDA graph): split-KV over the
     prefix, then the masked tree block and a log-sum-exp merge. ``out``: ``[bs * N, Hq, D]``
     to write into (else allocated); ``splits``: prefix splits (default

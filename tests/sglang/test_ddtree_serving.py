@@ -301,3 +301,25 @@ def test_both_pins_and_the_docs_agree_on_every_request_parameter(parse, as_globa
             if msg is not None and params[case] not in ("logprobs", "grammar"):
                 name = params[case].replace(" ", "_")  # custom logit processor -> custom_logit_processor
                 assert msg.startswith(f"DDTREE speculative decoding does not support {name}"), (pin, msg)
+
+
+@pytest.mark.parametrize("extra", [(), ("--speculative-ddtree-budget", "63", "--speculative-ddtree-topk-cap", "4"),
+                                   ("--speculative-ddtree-budget", "3", "--speculative-ddtree-debug-metrics")])
+def test_worker_shape_from_resolved_server_args(parse, extra):
+    """Both pins' workers take their sizes from ddtree_serving.worker_shape of the resolved
+    (real) server args; a page size other than 1 and unresolved args are refused."""
+    from sglang.srt.speculative import ddtree_serving
+
+    args = parse("DDTREE", *extra)
+    block, budget = args.speculative_dflash_block_size, args.speculative_ddtree_budget
+    shape = ddtree_serving.worker_shape(args, block, 1, VOCAB)
+    assert shape.num_verify_tokens == budget + 1 == args.speculative_num_draft_tokens
+    assert shape.max_depth == min(budget, block - 1)
+    assert shape.topk == min(args.speculative_ddtree_topk_cap, budget, VOCAB)
+    assert shape.verify_topk == args.speculative_eagle_topk > 1
+    assert (shape.debug_metrics is not None) == args.speculative_ddtree_debug_metrics
+    with pytest.raises(ValueError, match="page_size == 1"):
+        ddtree_serving.worker_shape(args, block, 16, VOCAB)
+    args.speculative_num_draft_tokens = budget + 2
+    with pytest.raises(ValueError, match="budget \\+ 1"):
+        ddtree_serving.worker_shape(args, block, 1, VOCAB)
