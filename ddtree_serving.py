@@ -25,15 +25,12 @@ import logging
 from typing import Callable, NamedTuple
 
 __all__ = [
+    "check_page_size",
     "DDTREE_DEFAULT_TOPK_CAP",
     "DDTREE_FLAGS",
     "DDTREE_MAX_BUDGET",
     "DDTREE_MAX_CUDA_GRAPH_TOKENS",
     "DDTreeDebugMetrics",
-    "WorkerShape",
-    "VERIFY_LOGITS_MEMORY_SHARE",
-    "VERIFY_SAMPLING_WORKSPACE_ROWS",
-    "check_page_size",
     "decode_kv_reservation",
     "graph_batch_size",
     "is_ddtree_algorithm",
@@ -46,9 +43,12 @@ __all__ = [
     "validate_ddtree_request",
     "verify_attention_backend",
     "verify_cuda_graph_bs",
+    "VERIFY_LOGITS_MEMORY_SHARE",
     "verify_max_running_requests",
+    "VERIFY_SAMPLING_WORKSPACE_ROWS",
     "verify_token_limit",
     "worker_shape",
+    "WorkerShape",
 ]
 
 logger = logging.getLogger(__name__)
