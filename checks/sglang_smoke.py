@@ -238,10 +238,9 @@ def probe_verify() -> str:
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
     from sglang.srt.sampling.sampling_params import SamplingParams
     from sglang.srt.speculative import ddtree_utils as du
-    from sglang.srt.speculative import dflash_info
-
-    if not hasattr(dflash_info, "DDTreeVerifyInput"):
+    if not _has_module("sglang.srt.speculative.ddtree_info"):
         return "DDTreeVerifyInput not in this build: verify skipped"
+    from sglang.srt.speculative import ddtree_info
     gen = torch.Generator().manual_seed(0)
     bs, depth, vocab, budget, hid = _BS, _DEPTH, _VOCAB, _BUDGET, 3
     n = budget + 1
@@ -265,7 +264,7 @@ def probe_verify() -> str:
         seq_lens=seq_lens.clone(), seq_lens_cpu=seq_lens.clone(), seq_lens_sum=int(seq_lens.sum()),
         sampling_info=None, input_ids=None, out_cache_loc=None, batch_size=lambda: bs,
     )
-    vi = dflash_info.DDTreeVerifyInput(
+    vi = ddtree_info.DDTreeVerifyInput(
         draft_token=ct.draft_tokens, positions=ct.positions, draft_token_num=n, custom_mask=ct.custom_mask,
         retrieve_index=ct.retrieve_index, retrieve_next_token=ct.retrieve_next_token,
         retrieve_next_sibling=ct.retrieve_next_sibling, max_depth=depth,

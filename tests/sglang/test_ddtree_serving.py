@@ -156,9 +156,9 @@ def test_accept_rate_of_other_algorithms_is_unchanged(parse):
 
 @pytest.fixture(scope="module")
 def worker_mod(sglang_overlay):
-    from sglang.srt.speculative import dflash_worker
+    from sglang.srt.speculative import ddtree_worker
 
-    return dflash_worker
+    return ddtree_worker
 
 
 class _ReplayOnCpu:
@@ -222,9 +222,9 @@ def test_worker_refuses_a_loaded_sliding_window_target(parse, worker_mod, backen
 
 
 def test_sampling_fallback_warning_names_the_python_walk(worker_mod, monkeypatch, caplog):
-    from sglang.srt.speculative import dflash_info
+    from sglang.srt.speculative import ddtree_info
 
-    monkeypatch.setattr(dflash_info, "verify_tree_greedy", None)
+    monkeypatch.setattr(ddtree_info, "verify_tree_greedy", None)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     worker = SimpleNamespace(_warned_sampling_fallback=False, tp_rank=0)
     with caplog.at_level(logging.WARNING, logger=worker_mod.logger.name):

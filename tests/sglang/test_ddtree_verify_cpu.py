@@ -34,7 +34,7 @@ def _modules() -> SimpleNamespace:
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
     from sglang.srt.sampling.sampling_params import SamplingParams
     from sglang.srt.speculative import ddtree_utils
-    from sglang.srt.speculative.dflash_info import DDTreeVerifyInput
+    from sglang.srt.speculative.ddtree_info import DDTreeVerifyInput
 
     return SimpleNamespace(
         Req=Req,
@@ -326,9 +326,9 @@ def test_prepare_for_verify_refuses_paged_kv_and_missing_mask(m):
 
 @pytest.fixture(scope="module")
 def worker_mod(sglang_overlay):
-    from sglang.srt.speculative import dflash_worker
+    from sglang.srt.speculative import ddtree_worker
 
-    return dflash_worker
+    return ddtree_worker
 
 
 class _Recorder:

@@ -336,15 +336,13 @@ def test_plugin_conformance_still_holds(sglang_overlay):
 
 
 def test_create_worker(sglang_overlay):
-    from sglang.srt.speculative import dflash_worker
+    from sglang.srt.speculative import ddtree_worker, dflash_worker
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
     with pytest.raises(ValueError, match="DDTREE does not support overlap"):
         SpeculativeAlgorithm.DDTREE.create_worker(SimpleNamespace(disable_overlap_schedule=False))
-    if not hasattr(dflash_worker, "DDTreeWorker"):
-        pytest.skip("DDTreeWorker is not in this build yet (worker patch)")
     worker = SpeculativeAlgorithm.DDTREE.create_worker(SimpleNamespace(disable_overlap_schedule=True))
-    assert worker is dflash_worker.DDTreeWorker and issubclass(worker, dflash_worker.DFlashWorker)
+    assert worker is ddtree_worker.DDTreeWorker and issubclass(worker, dflash_worker.DFlashWorker)
     assert SpeculativeAlgorithm.DFLASH.create_worker(SimpleNamespace(disable_overlap_schedule=True)) \
         is dflash_worker.DFlashWorker
 
@@ -406,14 +404,14 @@ def test_kv_reservation_is_the_round_peak(parse, budget, monkeypatch):
 
 
 def test_drafter_keeps_the_untrimmed_cuda_graph_batch_sizes(parse, sglang_overlay):
-    from sglang.srt.speculative import dflash_worker
+    from sglang.srt.speculative import ddtree_worker
 
     dflash = parse("--attention-backend", "triton", algorithm="DFLASH")
     for budget in (15, 255, 1023):
         args = parse("--attention-backend", "triton", "--speculative-ddtree-budget", str(budget))
         assert args.speculative_ddtree_draft_cuda_graph_bs == dflash.cuda_graph_bs
         assert args.speculative_ddtree_draft_cuda_graph_max_bs == dflash.cuda_graph_max_bs
-        draft = dflash_worker.DDTreeWorker._make_draft_server_args(None, args)
+        draft = ddtree_worker.DDTreeWorker._make_draft_server_args(None, args)
         assert draft.cuda_graph_bs == dflash.cuda_graph_bs
         assert draft.cuda_graph_max_bs == dflash.cuda_graph_max_bs
         assert draft.speculative_num_draft_tokens == DRAFT_BLOCK
@@ -423,7 +421,7 @@ def test_drafter_keeps_the_untrimmed_cuda_graph_batch_sizes(parse, sglang_overla
     # An explicit --cuda-graph-bs reaches the drafter unchanged.
     args = parse("--attention-backend", "triton", "--speculative-ddtree-budget", "1023",
                  "--cuda-graph-bs", "8", "16")
-    assert dflash_worker.DDTreeWorker._make_draft_server_args(None, args).cuda_graph_bs == [8, 16]
+    assert ddtree_worker.DDTreeWorker._make_draft_server_args(None, args).cuda_graph_bs == [8, 16]
 
 
 def _sliding_window_dirs(tmp_path, **target_overrides):
