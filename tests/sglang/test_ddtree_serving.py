@@ -123,7 +123,7 @@ def test_dflash_requests_are_unchanged(parse, as_global, params, processor, name
 
 @pytest.mark.parametrize("budget", [1, 15, 63, 255])
 def test_accept_rate_divides_by_the_reachable_depth(parse, budget):
-    from sglang.srt.arg_groups.speculative_hook import speculative_drafts_per_round
+    from sglang.srt.arg_groups.ddtree_hook import speculative_drafts_per_round
     from sglang.srt.managers.tokenizer_manager import TokenizerManager
 
     args = parse("DDTREE", "--speculative-ddtree-budget", str(budget))
@@ -139,7 +139,7 @@ def test_accept_rate_divides_by_the_reachable_depth(parse, budget):
 
 
 def test_accept_rate_of_other_algorithms_is_unchanged(parse):
-    from sglang.srt.arg_groups.speculative_hook import speculative_drafts_per_round
+    from sglang.srt.arg_groups.ddtree_hook import speculative_drafts_per_round
     from sglang.srt.managers.tokenizer_manager import TokenizerManager
 
     args = parse("DFLASH")

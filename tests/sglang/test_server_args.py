@@ -49,9 +49,10 @@ def parse(sglang_overlay, tiny_models):
 
 @pytest.fixture(scope="module")
 def hook(sglang_overlay):
-    from sglang.srt.arg_groups import speculative_hook
+    """The DDTREE server-args hook of the 0.5.13.post1 series (a new file, patch 0002)."""
+    from sglang.srt.arg_groups import ddtree_hook
 
-    return speculative_hook
+    return ddtree_hook
 
 
 def assert_ddtree_shape(args, *, block: int, budget: int, topk_cap: int) -> None:
@@ -212,7 +213,9 @@ def test_handling_is_idempotent(parse, hook):
     args = parse("--attention-backend", "triton", "--speculative-ddtree-budget", "40",
                  "--speculative-ddtree-topk-cap", "6")
     again = copy.deepcopy(args)
-    hook.handle_speculative_decoding(again)
+    from sglang.srt.arg_groups.speculative_hook import handle_speculative_decoding
+
+    handle_speculative_decoding(again)
     assert {f: getattr(again, f) for f in DDTREE_FIELDS} == {f: getattr(args, f) for f in DDTREE_FIELDS}
 
 
