@@ -1,8 +1,13 @@
-"""DDTree core: draft top-k, exact draft-tree construction, tree compilation, reference verification.
+"""DDTree core, the module both pins import: draft top-k, exact draft-tree construction, tree
+compilation, the greedy tree walk, target sampling, the sync-free round pieces, tree-verify attention.
 
 Depends only on torch and the standard library; Triton, which every CUDA build of torch
-installs, is imported when present for three fused kernels (see the performance notes below).
-Shipped verbatim into SGLang as ``sglang/srt/speculative/ddtree_utils.py``.
+installs, is imported when present, and then the sibling module ``ddtree_triton`` (the kernels
+this module launches). Shipped verbatim into SGLang as ``sglang/srt/speculative/ddtree_utils.py``,
+with ``ddtree_triton.py`` next to it. The DDTREE serving rules both pins call (server args,
+request refusals, serving limits, debug metrics) are in ``ddtree_serving``; the oracles the tests
+check this module against (the paper's heap builder, the dense sampling reference, ...) are in
+``ddtree_reference``, which is never shipped.
 
 Vocabulary used throughout (shapes are documented per function):
 
@@ -29,15 +34,14 @@ for both at bs = 32, B = 64 when replayed from a CUDA graph, 0.2-0.5 ms eager) a
 :func:`draft_topk_logprobs` computes its normaliser with one Triton kernel after ``torch.topk``.
 Triton ships with CUDA builds of torch and is imported optionally: without it, or with
 ``backend="torch"``, the same results come from plain torch ops (which want a CUDA graph: eager
-dispatch costs 2-5 ms a call). On the CPU :func:`build_tree_reference` is the faster builder.
+dispatch costs 2-5 ms a call). On the CPU ``ddtree_reference.build_tree_reference`` is the faster
+builder.
 """
 
 from __future__ import annotations
 
-import heapq
 import math
 import os
-import struct
 import sys
 from typing import NamedTuple
 
@@ -45,24 +49,33 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "accept_plan",
+    "accept_tree_greedy",
     "AcceptPlan",
+    "build_tree",
+    "compile_tree",
     "CompiledTree",
     "DDTree",
-    "accept_plan",
-    "build_tree",
-    "build_tree_reference",
-    "compile_tree",
     "draft_topk_logprobs",
+    "kv_move_locs",
+    "kv_path_locs",
+    "kv_rows",
+    "KVRows",
     "merge_shard_topk",
+    "move_kv_rows",
+    "restore_true_mask",
+    "sample_from_logits",
+    "sample_tree_targets",
+    "sample_tree_targets_from_batch",
     "shard_topk_stats",
-    "target_probs_from_logits",
     "tree_arrays_from_parents",
     "tree_commit_layout",
     "tree_custom_mask",
     "tree_custom_mask_index",
-    "tree_metrics",
+    "tree_verify_attention",
+    "tree_verify_splits",
     "verify_greedy_reference",
-    "verify_sampling_reference",
+    "verify_slots",
 ]
 
 _NEG_INF = float("-inf")
@@ -283,88 +296,6 @@ def _empty_tree(bs: int, budget: int, device: torch.device) -> DDTree:
     )
 
 
-def _f32(x: float) -> float:
-    """Round a Python float to float32 (exact emulation of a float32 add of float32 operands)."""
-    return struct.unpack("f", struct.pack("f", x))[0]
-
-
-def build_tree_reference(
-    topk_logp: Tensor,
-    topk_ids: Tensor,
-    budget: int,
-    *,
-    valid: Tensor | None = None,
-    topk_cap: int | None = None,
-) -> DDTree:
-    """The paper's best-first heap, one request at a time on the CPU (the oracle).
-
-    Args:
-        topk_logp: ``[bs, L, K]`` log-probabilities, each row sorted descending, all <= 0.
-        topk_ids: ``[bs, L, K]`` token ids (int32/int64).
-        budget: B, the number of draft nodes (root excluded).
-        valid: optional ``[bs]`` bool; invalid rows get an empty tree.
-        topk_cap: optional per-depth cap on the ranks considered.
-
-    Returns a :class:`DDTree` on the inputs' device. Raises ``ValueError`` on NaN, positive or
-    unsorted log-probabilities.
-    """
-    _check_tree_inputs(topk_logp, topk_ids, budget)
-    bs, depth_limit, _ = topk_logp.shape
-    device = topk_logp.device
-    out = _empty_tree(bs, budget, torch.device("cpu"))
-    if bs == 0:
-        return DDTree(*(t.to(device) for t in out))
-    kk = _effective_k(topk_logp, budget, topk_cap)
-    lp_all = topk_logp[:, :, :kk].detach().float().cpu() + 0.0
-    if bool(torch.isnan(lp_all).any()) or bool((lp_all > 0).any()):
-        raise ValueError("topk_logp must hold log-probabilities (no NaN, all <= 0)")
-    if kk > 1 and bool((lp_all[..., 1:] > lp_all[..., :-1]).any()):
-        raise ValueError(
-            "topk_logp must be sorted in descending order along the last dim"
-        )
-    ids_all = topk_ids[:, :, :kk].detach().to(torch.int64).cpu().tolist()
-    lp_list = lp_all.tolist()
-    rows = [True] * bs if valid is None else valid.detach().cpu().bool().tolist()
-    tokens = [[0] * budget for _ in range(bs)]
-    parents = [[0] * budget for _ in range(bs)]
-    depth = [[1] * budget for _ in range(bs)]
-    score = [[_NEG_INF] * budget for _ in range(bs)]
-    count = [0] * bs
-    for b in range(bs):
-        if not rows[b]:
-            continue
-        lp, ids = lp_list[b], ids_all[b]
-        tok_b, par_b, dep_b, sco_b = tokens[b], parents[b], depth[b], score[b]
-        # heap entry: (-score, depth, rank tuple, parent score, parent verify index)
-        heap: list[tuple[float, int, tuple[int, ...], float, int]] = []
-        if lp[0][0] != _NEG_INF:
-            heap.append((-lp[0][0], 1, (0,), 0.0, 0))
-        n = 0
-        while heap and n < budget:
-            neg, d, ranks, base, par = heapq.heappop(heap)
-            s, r = -neg, ranks[-1]
-            tok_b[n], par_b[n], dep_b[n], sco_b[n] = ids[d - 1][r], par, d, s
-            n += 1
-            if r + 1 < kk:
-                sib = _f32(base + lp[d - 1][r + 1])
-                if sib != _NEG_INF:
-                    heapq.heappush(heap, (-sib, d, ranks[:-1] + (r + 1,), base, par))
-            if d < depth_limit:
-                child = _f32(s + lp[d][0])
-                if child != _NEG_INF:
-                    heapq.heappush(heap, (-child, d + 1, ranks + (0,), s, n))
-        count[b] = n
-    filled = torch.tensor(count).view(bs, 1) > torch.arange(budget).view(1, budget)
-    out = DDTree(
-        tokens=torch.tensor(tokens, dtype=torch.int64),
-        parents=torch.tensor(parents, dtype=torch.int64),
-        depth=torch.tensor(depth, dtype=torch.int64),
-        score=torch.tensor(score, dtype=torch.float32),
-        node_valid=filled,
-    )
-    return DDTree(*(t.to(device) for t in out))
-
-
 def _high_words(keys: Tensor) -> Tensor:
     """Strided int32 view of the high 32 bits of a contiguous int64 tensor (little-endian).
 
@@ -426,10 +357,10 @@ def build_tree(
     topk_cap: int | None = None,
     backend: str = "auto",
 ) -> DDTree:
-    """Batched exact DDTree: identical output to :func:`build_tree_reference`.
+    """Batched exact DDTree: identical output to ``ddtree_reference.build_tree_reference``.
 
     No host synchronisation and fixed shapes (all loops run over the static L), so it can be
-    captured in a CUDA graph. Inputs as in :func:`build_tree_reference` (not validated here:
+    captured in a CUDA graph. Inputs as in ``ddtree_reference.build_tree_reference`` (not validated here:
     NaN or positive log-probabilities give an unspecified tree). Output on the inputs' device.
 
     Method: a per-depth beam of width B, each beam kept in lexicographic rank-tuple order, then
@@ -452,7 +383,8 @@ def build_tree(
     Ranks >= B never matter (B siblings of lower rank precede them), so K is capped at B.
 
     ``backend``: ``"auto"`` runs the fused Triton kernel (one program per request, one launch;
-    see the proof above ``_ddtree_build_kernel``) for CUDA inputs when Triton imports and the
+    the pruned-grid proof is above ``ddtree_build_kernel`` in ddtree_triton.py) for CUDA inputs
+    when Triton imports and the
     per-program sorts fit, else the torch ops below; ``"torch"`` forces the torch ops;
     ``"triton"`` forces the kernel (also on the CPU when ``TRITON_INTERPRET=1``). The kernel's
     pruned-grid table is created on first use: make one call before CUDA-graph capture.
@@ -527,33 +459,20 @@ def build_tree(
 
 
 # ----------------------------------------------------------------------------------------------
-# Fused Triton kernels for build_tree / compile_tree (optional: used on CUDA when Triton imports)
+# Fused Triton kernels for build_tree / compile_tree (optional: used on CUDA when Triton imports;
+# the kernels and the pruned-grid proof of the beam step are in ddtree_triton.py)
 # ----------------------------------------------------------------------------------------------
-#
-# One program per request runs the whole per-depth beam (build) or the whole compilation, with
-# a small global-memory workspace for the few steps that need a scatter or an index shift.
-# Both produce exactly the torch builders' output (tested on the CPU under TRITON_INTERPRET=1
-# against build_tree_reference, on the GPU against both).
-#
-# Beam step without sorting all B*K candidates. Order the parents of beam_{d-1} by score
-# (descending, any order among equal scores) as j = 0..B-1 and let c(j, r) = fl(s_j + lp_d[r]).
-# c is non-increasing in j and in r (float rounding is monotone), so for any t the set
-# {c >= t} is a down-set of the (j, r) grid. Let t be the B-th largest candidate. The down-set
-# {c > t} has < B elements, and {c >= t} contains a down-set of exactly B elements; every
-# element of a down-set of size m has (j + 1) * (r + 1) <= m. Hence the pruned grid
-# P = {(j, r) : (j + 1) * (r + 1) <= B} (about B * ln B cells) holds every candidate > t and at
-# least B candidates >= t, so t is also the B-th largest over P. The beam then takes, per
-# parent in lexicographic order, its children with c > t (a prefix of its ranks, found by
-# binary search) plus the children tied at t in (parent, rank) order until B are taken: the
-# tie order of build_tree. Candidates tied at t may lie outside P; they are counted per parent,
-# not enumerated.
 
 try:  # Triton ships with CUDA builds of torch; without it the torch builders are used.
     import triton
-    import triton.language as tl
 except ImportError:  # pragma: no cover - exercised only where Triton is missing
     triton = None
-    tl = None
+if triton is None:  # pragma: no cover
+    ddtree_triton = None
+elif __package__:  # shipped: sglang.srt.speculative.ddtree_triton
+    from . import ddtree_triton
+else:  # the repository's top-level module
+    import ddtree_triton
 
 # Largest per-program sort (elements) the kernels are launched with, and the compile kernel's
 # widest ancestor table (tree depth bound + 1); beyond them the torch ops run.
@@ -587,250 +506,6 @@ def _num_warps(elements: int) -> int:
     return 4 if elements <= 1024 else (8 if elements <= 4096 else 16)
 
 
-if triton is not None:
-
-    @triton.jit
-    def _max_combine(a, b):
-        return tl.maximum(a, b)
-
-    @triton.jit
-    def _ddtree_build_kernel(
-        lp_ptr,  # [bs, L, kk] f32, rows sorted descending, <= 0, -inf for invalid requests
-        ids_ptr,  # [bs, L, kk] int64
-        pj_ptr,  # [P] int32 pruned grid: parent rank in score order
-        pr_ptr,  # [P] int32 pruned grid: child rank
-        wsf_ptr,  # [bs, (L + 1) * BB] f32: beam scores [L, BB], sorted parent scores [BB]
-        wsi_ptr,  # [bs, 2 * L * BB + 2 * BB + LB * BB] int32: beam parent, beam rank,
-        #                                    offsets, markers, verify index of each beam slot
-        wsk_ptr,  # [bs, LB * BB] int64: the sorted global keys
-        tok_ptr,  # [bs, B] int64 out
-        par_ptr,  # [bs, B] int64 out
-        dep_ptr,  # [bs, B] int64 out
-        score_ptr,  # [bs, B] f32 out
-        valid_ptr,  # [bs, B] int8 out
-        L,
-        kk,
-        B,
-        P,
-        BB: tl.constexpr,  # pow2 >= B
-        LB: tl.constexpr,  # pow2 >= L
-        PB: tl.constexpr,  # pow2 >= P
-        LOGK: tl.constexpr,  # binary-search steps over 0..kk
-    ):
-        NEG = float("-inf")
-        b = tl.program_id(0).to(tl.int64)
-        q = tl.arange(0, BB)
-        in_beam = q < B
-        lp_row = lp_ptr + b * L * kk
-        beam_s = wsf_ptr + b * (L + 1) * BB
-        sorted_s = beam_s + L * BB
-        beam_par = wsi_ptr + b * (2 * L * BB + 2 * BB + LB * BB)
-        beam_rank = beam_par + L * BB
-        offs_ws = beam_rank + L * BB
-        mark_ws = offs_ws + BB
-        vmap_ws = mark_ws + BB
-
-        # depth 1: ranks 0..kk-1 in order (kk <= B), padded with -inf
-        tl.store(beam_s + q, tl.load(lp_row + q, mask=q < kk, other=NEG))
-        tl.store(beam_par + q, tl.zeros([BB], tl.int32))
-        tl.store(beam_rank + q, q)
-        tl.debug_barrier()
-
-        p_idx = tl.arange(0, PB)
-        p_ok = p_idx < P
-        pj = tl.load(pj_ptr + p_idx, mask=p_ok, other=0)
-        pr = tl.load(pr_ptr + p_idx, mask=p_ok, other=0)
-        for d in range(1, L):
-            lp_d = lp_row + d * kk
-            s = tl.load(beam_s + (d - 1) * BB + q, mask=in_beam, other=NEG)  # lex order
-            tl.store(sorted_s + q, tl.sort(s, descending=True))
-            tl.debug_barrier()
-            # t = the B-th largest candidate, found on the pruned grid
-            cand = tl.load(sorted_s + pj, mask=p_ok, other=NEG) + tl.load(
-                lp_d + pr, mask=p_ok, other=NEG
-            )
-            cand = tl.where(p_ok, cand, NEG)
-            top = tl.sort(cand, descending=True)
-            t = tl.min(tl.where(p_idx < B, top, float("inf")), axis=0)
-            # per parent: #children > t and #children >= t (binary search over its ranks)
-            lo_g = tl.zeros([BB], tl.int32)
-            hi_g = tl.where(in_beam, kk, 0).to(tl.int32)
-            lo_e = lo_g
-            hi_e = hi_g
-            for _ in tl.static_range(LOGK):
-                act = lo_g < hi_g
-                mid = (lo_g + hi_g) // 2
-                above = (s + tl.load(lp_d + mid, mask=act, other=NEG)) > t
-                lo_g = tl.where(act & above, mid + 1, lo_g)
-                hi_g = tl.where(act & ~above, mid, hi_g)
-                act = lo_e < hi_e
-                mid = (lo_e + hi_e) // 2
-                atleast = (s + tl.load(lp_d + mid, mask=act, other=NEG)) >= t
-                lo_e = tl.where(act & atleast, mid + 1, lo_e)
-                hi_e = tl.where(act & ~atleast, mid, hi_e)
-            need = B - tl.sum(lo_g, axis=0)
-            tie = lo_e - lo_g
-            tie_before = tl.cumsum(tie, axis=0) - tie
-            take = lo_g + tl.minimum(tl.maximum(need - tie_before, 0), tie)
-            offs = tl.cumsum(take, axis=0) - take
-            # new beam slot q -> (parent, rank): scatter each parent at its first slot, scan max
-            tl.store(offs_ws + q, offs)
-            tl.store(mark_ws + q, tl.full([BB], -1, tl.int32))
-            tl.debug_barrier()
-            tl.store(mark_ws + offs, q, mask=take > 0)
-            tl.debug_barrier()
-            parent = tl.maximum(
-                tl.associative_scan(tl.load(mark_ws + q), 0, _max_combine), 0
-            )
-            rank = q - tl.load(offs_ws + parent)
-            ok = in_beam & (rank < kk)
-            new_s = tl.load(beam_s + (d - 1) * BB + parent) + tl.load(
-                lp_d + rank, mask=ok, other=NEG
-            )
-            tl.store(beam_s + d * BB + q, new_s, mask=in_beam)
-            tl.store(beam_par + d * BB + q, parent, mask=in_beam)
-            tl.store(beam_rank + d * BB + q, rank, mask=in_beam)
-            tl.debug_barrier()
-
-        # global top-B over the union: key = (score desc, depth asc, lexicographic position asc)
-        row = tl.arange(0, LB)[:, None]
-        col = q[None, :]
-        here = (row < L) & (col < B)
-        sc = tl.load(beam_s + row * BB + col, mask=here, other=NEG)
-        mag = (sc.to(tl.int32, bitcast=True) & 0x7FFFFFFF).to(tl.int64)
-        keys = tl.where(
-            here, (mag << 32) | (row * BB + col).to(tl.int64), 0x7FFFFFFFFFFFFFFF
-        )
-        keys = tl.sort(tl.reshape(keys, [LB * BB]))
-        key_ws = wsk_ptr + b * LB * BB
-        tl.store(key_ws + tl.arange(0, LB * BB), keys)
-        tl.debug_barrier()
-        slot = (tl.load(key_ws + q, mask=in_beam, other=0) & 0xFFFFFFFF).to(tl.int32)
-        tl.store(vmap_ws + slot, q + 1, mask=in_beam)
-        tl.debug_barrier()
-        depth0 = slot // BB
-        score = tl.load(beam_s + slot, mask=in_beam, other=NEG)
-        rank = tl.load(beam_rank + slot, mask=in_beam, other=0)
-        ppos = tl.load(beam_par + slot, mask=in_beam, other=0)
-        node = in_beam & (score != NEG)
-        pv = tl.load(
-            vmap_ws + (depth0 - 1) * BB + ppos, mask=node & (depth0 > 0), other=0
-        )
-        token = tl.load(ids_ptr + b * L * kk + depth0 * kk + rank, mask=node, other=0)
-        out = b * B + q
-        tl.store(tok_ptr + out, tl.where(node, token, 0), mask=in_beam)
-        tl.store(par_ptr + out, tl.where(node, pv, 0).to(tl.int64), mask=in_beam)
-        tl.store(
-            dep_ptr + out, tl.where(node, depth0 + 1, 1).to(tl.int64), mask=in_beam
-        )
-        tl.store(score_ptr + out, tl.where(node, score, NEG), mask=in_beam)
-        tl.store(valid_ptr + out, node.to(tl.int8), mask=in_beam)
-
-    @triton.jit
-    def _ddtree_compile_kernel(
-        tok_ptr,  # [bs, B] int64 tree tokens
-        par_ptr,  # [bs, B] int64 parent verify index
-        dep_ptr,  # [bs, B] int64 depth
-        valid_ptr,  # [bs, B] int8 node_valid
-        bonus_ptr,  # [bs] int64 root tokens
-        seq_ptr,  # [bs] int64 seq_lens
-        ws_ptr,  # [bs, 3 * NB + NB * DB] int32: sorted keys, parents, depths, ancestor table
-        out_tok_ptr,  # [bs, N] int64
-        out_pos_ptr,  # [bs, N] int64
-        out_par_ptr,  # [bs, N] int64
-        out_dep_ptr,  # [bs, N] int64
-        out_next_ptr,  # [bs, N] int64
-        out_sib_ptr,  # [bs, N] int64
-        mask_ptr,  # [bs, N, N] int8
-        B,
-        STEPS,  # depth bound: ancestor walk length
-        NB: tl.constexpr,  # pow2 >= N
-        DB: tl.constexpr,  # pow2 >= STEPS + 1
-        RB: tl.constexpr,  # mask rows per tile
-    ):
-        b = tl.program_id(0).to(tl.int64)
-        n = B + 1
-        i = tl.arange(0, NB)
-        inb = i < n
-        node = (i >= 1) & inb
-        src = b * B + i - 1
-        par = tl.where(node, tl.load(par_ptr + src, mask=node, other=0), -1)
-        dep = tl.where(node, tl.load(dep_ptr + src, mask=node, other=1), 0)
-        live = node & (tl.load(valid_ptr + src, mask=node, other=0) != 0)
-        tok = tl.where(
-            node, tl.load(tok_ptr + src, mask=node, other=0), tl.load(bonus_ptr + b)
-        )
-        row = b * n + i
-        tl.store(out_tok_ptr + row, tok, mask=inb)
-        tl.store(out_pos_ptr + row, tl.load(seq_ptr + b) + dep, mask=inb)
-        tl.store(out_par_ptr + row, par, mask=inb)
-        tl.store(out_dep_ptr + row, dep, mask=inb)
-        tl.store(out_next_ptr + row, tl.full([NB], -1, tl.int64), mask=inb)
-        tl.store(out_sib_ptr + row, tl.full([NB], -1, tl.int64), mask=inb)
-
-        ws = ws_ptr + b * (3 * NB + NB * DB)
-        par_ws = ws + NB
-        dep_ws = par_ws + NB
-        anc_ws = dep_ws + NB
-        # children grouped by parent, in verify-index order: sort (parent, index)
-        child_of = tl.where(live, par, n).to(tl.int32)
-        sk = tl.sort(child_of * NB + i)
-        tl.store(ws + i, sk)
-        tl.store(par_ws + i, tl.maximum(par, 0).to(tl.int32))
-        tl.store(dep_ws + i, dep.to(tl.int32))
-        col = tl.arange(0, DB)
-        tl.store(
-            anc_ws + i[:, None] * DB + col[None, :], tl.full([NB, DB], -1, tl.int32)
-        )
-        tl.debug_barrier()
-        nk = tl.load(ws + i + 1, mask=i + 1 < NB, other=(n + 1) * NB)
-        pk = tl.load(ws + i - 1, mask=i >= 1, other=0)
-        sp = sk // NB
-        si = sk % NB
-        child = sp < n
-        sib = tl.where(nk // NB == sp, nk % NB, -1).to(tl.int64)
-        tl.store(out_sib_ptr + b * n + si, sib, mask=child)
-        first = child & ((i == 0) | (pk // NB != sp))
-        tl.store(out_next_ptr + b * n + sp, si.to(tl.int64), mask=first)
-        # ancestor table: anc[i, k] = the ancestor of i at depth k (walk up STEPS + 1 times)
-        a = i
-        for _ in range(STEPS + 1):
-            tl.store(
-                anc_ws + i * DB + tl.minimum(tl.load(dep_ws + a), DB - 1), a, mask=inb
-            )
-            a = tl.load(par_ws + a)
-        tl.debug_barrier()
-        # mask[i, j] = j is an ancestor-or-self of i  <=>  anc[i, depth(j)] == j
-        dep_j = tl.load(dep_ws + i)
-        for r0 in range(0, n, RB):
-            ri = r0 + tl.arange(0, RB)
-            both = (ri[:, None] < n) & inb[None, :]
-            anc = tl.load(
-                anc_ws + ri[:, None] * DB + dep_j[None, :], mask=both, other=-1
-            )
-            hit = (anc == i[None, :]).to(tl.int8)
-            tl.store(
-                mask_ptr + b * n * n + ri[:, None] * n + i[None, :], hit, mask=both
-            )
-
-    @triton.jit
-    def _sumexp_partial_kernel(
-        x_ptr,  # [rows, V] logits, any float dtype, row stride x_stride
-        shift_ptr,  # [rows] f32 shift (the row's top-1 logit when finite, else 0)
-        out_ptr,  # [rows, NC] f32 out: sum(exp(x - shift)) over chunk c
-        V,
-        x_stride,
-        NC,
-        CHUNK: tl.constexpr,
-    ):
-        row = tl.program_id(0).to(tl.int64)
-        c = tl.program_id(1)
-        cols = c * CHUNK + tl.arange(0, CHUNK)
-        x = tl.load(x_ptr + row * x_stride + cols, mask=cols < V, other=float("-inf"))
-        s = tl.sum(tl.exp(x.to(tl.float32) - tl.load(shift_ptr + row)), axis=0)
-        tl.store(out_ptr + row * NC + c, s)
-
-
 def _logsumexp_triton(logits: Tensor, shift: Tensor) -> Tensor:
     """float32 ``shift + log(sum(exp(logits - shift)))`` over the last dim: one Triton kernel
     reads the logits once (a grid of rows x vocabulary chunks), then the chunk sums are added.
@@ -844,7 +519,7 @@ def _logsumexp_triton(logits: Tensor, shift: Tensor) -> Tensor:
     nc = triton.cdiv(vocab, chunk)
     part = torch.empty(rows, nc, dtype=torch.float32, device=logits.device)
     flat_shift = shift.reshape(rows).contiguous()
-    _sumexp_partial_kernel[(rows, nc)](
+    ddtree_triton.sumexp_partial_kernel[(rows, nc)](
         x, flat_shift, part, vocab, x.stride(0), nc, CHUNK=chunk, num_warps=8
     )
     return (flat_shift + part.sum(dim=1).log_()).view(logits.shape[:-1])
@@ -888,7 +563,7 @@ def _build_tree_triton(lp: Tensor, ids: Tensor, budget: int) -> DDTree | None:
     depth = torch.empty_like(tokens)
     score = torch.empty(bs, budget, dtype=torch.float32, device=device)
     valid = torch.empty(bs, budget, dtype=torch.int8, device=device)
-    _ddtree_build_kernel[(bs,)](
+    ddtree_triton.ddtree_build_kernel[(bs,)](
         lp, ids, pj, pr, wsf, wsi, wsk, tokens, parents, depth, score, valid,
         depth_limit, kk, budget, pj.numel(),
         BB=bb, LB=lb, PB=pb, LOGK=kk.bit_length(),
@@ -914,7 +589,7 @@ def _compile_tree_triton(
     rows = max(
         1, min(nb, 8192 // nb)
     )  # mask rows per tile: tiles of about 8192 entries
-    _ddtree_compile_kernel[(bs,)](
+    ddtree_triton.ddtree_compile_kernel[(bs,)](
         tree.tokens.to(torch.int64).contiguous(),
         tree.parents.to(torch.int64).contiguous(),
         tree.depth.to(torch.int64).contiguous(),
@@ -1038,7 +713,7 @@ def compile_tree(
     """Turn a :class:`DDTree` into SGLang verify inputs (see :class:`CompiledTree`).
 
     Args:
-        tree: from :func:`build_tree` / :func:`build_tree_reference`.
+        tree: from :func:`build_tree` (or ``ddtree_reference.build_tree_reference``).
         bonus_tokens: ``[bs]`` the root token per request.
         seq_lens: ``[bs]`` committed length per request (the root's position).
         build_custom_mask: also build the flat FULL mask. Its length depends on ``seq_lens``, so
@@ -1151,44 +826,6 @@ def verify_greedy_reference(
     root first, -1 padded; accept_len [bs] int64 accepted draft nodes; bonus [bs] int64)``.
     """
     return _walk(candidates, next_token, next_sibling, target_predict, max_accept)
-
-
-def verify_sampling_reference(
-    candidates: Tensor,
-    next_token: Tensor,
-    next_sibling: Tensor,
-    target_probs: Tensor | None,
-    max_accept: int,
-    generator: torch.Generator | None = None,
-    *,
-    samples: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Lossless sampling walk: one target sample per node, followed when it is a child.
-
-    Either ``target_probs [bs, N, V]`` float32, the target's (already filtered) distributions at
-    every node, from which one token per node is drawn with ``torch.multinomial``; or
-    ``samples [bs, N]`` int64, one draw per node already made (:func:`sample_tree_targets`), in
-    which case ``target_probs`` may be None. The bonus is the sample at the last accepted node, so
-    the emitted tokens are distributed exactly as target decoding: the draft tree is a
-    deterministic function of the drafter, and each visited node's sample is an independent draw
-    from the target's conditional there. Returns the same triple as
-    :func:`verify_greedy_reference` (which, given ``samples`` as ``target_predict``, is the same
-    walk; so is ``sgl_kernel.verify_tree_greedy`` on CUDA).
-    """
-    bs, n = candidates.shape
-    if samples is not None:
-        if tuple(samples.shape) != (bs, n):
-            raise ValueError(
-                f"samples must be [bs, N] = {(bs, n)}, got {tuple(samples.shape)}"
-            )
-        return _walk(candidates, next_token, next_sibling, samples, max_accept)
-    if target_probs is None:
-        raise ValueError("verify_sampling_reference needs target_probs or samples")
-    if bs == 0:
-        return _walk(candidates, next_token, next_sibling, candidates, max_accept)
-    probs = target_probs.reshape(bs * n, -1).float()
-    sample = torch.multinomial(probs, 1, generator=generator).view(bs, n)
-    return _walk(candidates, next_token, next_sibling, sample, max_accept)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1387,291 +1024,6 @@ def _sample_rows_torch(
     return token, thr
 
 
-if triton is not None:
-
-    @triton.jit
-    def _key_of(s):
-        b = s.to(tl.int32, bitcast=True)
-        return tl.where(b >= 0, b, b ^ 0x7FFFFFFF)
-
-    @triton.jit
-    def _load_scaled(x_row, cols, V, temp):
-        """s = logits / temperature of the columns `cols` (-inf past V), -0.0 as +0.0; IEEE
-        division (tl.math.div_rn) so that s, and a threshold taken from it, equal torch's x / temp."""
-        s = tl.load(x_row + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
-        return tl.math.div_rn(s, temp) + 0.0
-
-    @triton.jit
-    def _value_of(k):
-        b = tl.where(k >= 0, k, k ^ 0x7FFFFFFF)
-        return b.to(tl.float32, bitcast=True)
-
-    @triton.jit
-    def _search_step(ss, sk, lo, hi, piv2, peak64, a_n, a_m, a_z):
-        """One sub-step of a search pass: the values ``ss`` (keys ``sk``) counted against every
-        pivot of ``piv2`` ([NP, 1]) into a_n (#gt + 65536 * #eq) and a_m (float64 mass strictly
-        above), keys outside [lo, hi] for none; a_z sums exp(s - peak) of every column."""
-        e = tl.exp(ss.to(tl.float64) - peak64)  # 0 for -inf (past V)
-        kb = tl.where((sk >= lo) & (sk <= hi), sk, lo - 1)[None, :]
-        gt = kb > piv2  # lo - 1 (outside the band) counts for no pivot
-        a_n += tl.where(gt, 1, tl.where(kb == piv2, 65536, 0))
-        a_m += tl.where(gt, e[None, :], 0.0)
-        return a_n, a_m, a_z + e
-
-    @triton.jit
-    def _sample_rows_kernel(
-        x_ptr,  # [R, V] logits, any float dtype, row stride x_stride
-        temp_ptr,  # [R] f32 temperature (1 for greedy rows)
-        k_ptr,  # [R] i64 top_k in 1..V
-        p_ptr,  # [R] f32 top_p (+inf: no limit)
-        lmp_ptr,  # [R] f32 log(min_p) (-inf: no limit)
-        greedy_ptr,  # [R] i8
-        seed_ptr,  # [1] i64 Philox seed of this call
-        out_ptr,  # [R] i64 out: the sampled token
-        thr_ptr,  # [R] f32 out: the kept set is s >= thr
-        buf_ptr,  # [programs, CAP] f32 scratch: a row's bracketed values once they fit (CAP > 0)
-        next_ptr,  # [1] i32, zero at launch: the next row to take
-        R,
-        V,
-        x_stride,
-        BLOCK: tl.constexpr,
-        SBLOCK: tl.constexpr,
-        NP: tl.constexpr,
-        MAX_PASSES: tl.constexpr,
-        SEARCH: tl.constexpr,
-        CAP: tl.constexpr,
-        NS: tl.constexpr,  # pow2 >= the count of BLOCK steps (ceil(V / BLOCK))
-    ):
-        # R rows, min(R, a few per SM) programs: each program takes the next untaken row until
-        # none is left (rows cost unequal amounts) and owns one buffer row, so the buffer is
-        # sized by the GPU, not by the batch. A draw depends on (seed, row) only.
-        buf_row = buf_ptr + tl.program_id(0).to(tl.int64) * CAP
-        row = tl.atomic_add(next_ptr, 1)
-        while row < R:
-            _sample_row(
-                row.to(tl.int64), x_ptr, temp_ptr, k_ptr, p_ptr, lmp_ptr, greedy_ptr,
-                seed_ptr, out_ptr, thr_ptr, buf_row, V, x_stride,
-                BLOCK, SBLOCK, NP, MAX_PASSES, SEARCH, CAP, NS,
-            )  # fmt: skip
-            row = tl.atomic_add(next_ptr, 1)
-
-    @triton.jit
-    def _sample_row(
-        row,  # i64 the row this call samples
-        x_ptr,
-        temp_ptr,
-        k_ptr,
-        p_ptr,
-        lmp_ptr,
-        greedy_ptr,
-        seed_ptr,
-        out_ptr,
-        thr_ptr,
-        buf_row,  # [CAP] f32 this program's buffer
-        V,
-        x_stride,
-        BLOCK: tl.constexpr,
-        SBLOCK: tl.constexpr,
-        NP: tl.constexpr,
-        MAX_PASSES: tl.constexpr,
-        SEARCH: tl.constexpr,
-        CAP: tl.constexpr,
-        NS: tl.constexpr,
-    ):
-        NEG = float("-inf")
-        x_row = x_ptr + row * x_stride
-        temp = tl.load(temp_ptr + row)
-        greedy = tl.load(greedy_ptr + row) != 0
-        offs = tl.arange(0, BLOCK)
-        # pass 1: max, smallest finite value, first argmax (the search sums its own float64
-        # softmax denominator, so no sum of exp here: rows without top-k / top-p never need it)
-        m_v = tl.full([BLOCK], NEG, tl.float32)
-        lo_v = tl.full([BLOCK], float("inf"), tl.float32)
-        arg_v = tl.full([BLOCK], V, tl.int32)
-        for start in range(0, V, BLOCK):
-            cols = start + offs
-            s = _load_scaled(x_row, cols, V, temp)
-            arg_v = tl.where(s > m_v, cols, arg_v)
-            m_v = tl.maximum(m_v, s)
-            lo_v = tl.minimum(lo_v, tl.where(s > NEG, s, float("inf")))
-        peak = tl.max(m_v, axis=0)
-        s_min = tl.min(lo_v, axis=0)
-        arg = tl.min(tl.where(m_v == peak, arg_v, V), axis=0)
-        arg = tl.where(arg >= V, 0, arg)
-        sample = ~greedy & (peak > NEG)
-
-        kk = tl.load(k_ptr + row)
-        pp = tl.load(p_ptr + row)
-        t_lo = tl.maximum(peak + tl.load(lmp_ptr + row), s_min)
-        lo = (
-            _key_of(t_lo) - 1
-        )  # Q(lo) is taken as false: no candidate lies at or below lo
-        hi = _key_of(peak)  # Q(max) is true: nothing lies strictly above the max
-        thr_key = lo + 1  # min-p (or no limit) only
-        peak64 = peak.to(tl.float64)  # masses are exp(s - peak) in float64 (search and draw)
-        if SEARCH:  # compiled out when the caller knows that no row has top-k / top-p
-            search = sample & ((kk < V) | (pp < float("inf")))
-            inside = tl.where(search, 1, 0)
-            passes = 0
-            c = tl.arange(0, NP)
-            soffs = tl.arange(0, SBLOCK)
-            pp64 = pp.to(tl.float64)
-            n_hi = 0  # count strictly above hi (carried: hi only moves down)
-            m_hi = tl.full([], 0.0, tl.float64)  # mass strictly above hi, unnormalised
-            z = tl.full([], 1.0, tl.float64)  # sum of exp(s - peak), float64 (first pass)
-            # Pivots: linear in value between the bracket's ends (a flat row's bracket shrinks
-            # about NP - 1-fold a pass), or linear in key (the bracket's key range shrinks
-            # NP - 1-fold, whatever the values: the guard against a few far outliers, where
-            # value-linear pivots crawl). Value-linear after a value pass that shrank the
-            # bracket's count at least 4-fold, or after a key pass.
-            use_value = s_min > NEG
-            before = V  # tokens in the bracket before this pass (an upper bound at first)
-            n_buf = -1  # values copied to buf_ptr (-1: not yet; later passes read only those)
-            while (inside > 0) & (passes < MAX_PASSES):
-                lo64 = lo.to(tl.int64)
-                hi64 = hi.to(tl.int64)
-                piv = lo64 + ((hi64 - lo64) * c) // (NP - 1)
-                v_lo = _value_of(lo).to(tl.float64)
-                v_hi = _value_of(hi).to(tl.float64)
-                by_value = use_value & (v_lo > NEG) & (v_hi < float("inf"))
-                if by_value:
-                    pv = (v_lo + (v_hi - v_lo) * c.to(tl.float64) / (NP - 1)).to(tl.float32)
-                    piv = _key_of(pv).to(tl.int64)
-                mid = (c > 0) & (c < NP - 1)
-                piv = tl.where(c == 0, lo64, tl.where(c == NP - 1, hi64, piv))
-                piv = tl.where(mid, tl.minimum(tl.maximum(piv, lo64 + 1), hi64 - 1), piv)
-                piv = piv.to(tl.int32)  # [NP] keys, lo = piv[0] <= ... <= piv[NP - 1] = hi
-                piv2 = piv[:, None]
-                # Tokens above hi count for every pivot (all <= hi) and are carried from the
-                # last pass; tokens below lo count for none. Only BLOCK steps holding a token
-                # in [lo, hi] (all of them in the first pass, which also sums z) redo their
-                # columns in SBLOCK sub-steps into [NP, SBLOCK] partials, reduced once. With
-                # SBLOCK == BLOCK (V <= 256) a step is its own sub-step: no band test, no
-                # re-read (the interpreter's cost is mostly nested jit calls and reductions).
-                # Once the bracket's tokens fit in CAP they are copied to buf_ptr and the
-                # later passes read that copy instead of the row.
-                first = passes == 0
-                a_n = tl.full([NP, SBLOCK], 0, tl.int32)  # per column: #gt + 65536 * #eq
-                a_m = tl.full([NP, SBLOCK], 0.0, tl.float64)
-                a_z = tl.full([SBLOCK], 0.0, tl.float64)
-                if n_buf >= 0:
-                    for start in range(0, n_buf, SBLOCK):
-                        idx = start + soffs
-                        ss = tl.load(buf_row + idx, mask=idx < n_buf, other=float("-inf"))
-                        a_n, a_m, a_z = _search_step(
-                            ss, _key_of(ss), lo, hi, piv2, peak64, a_n, a_m, a_z
-                        )
-                else:
-                    for start in range(0, V, BLOCK):
-                        s = _load_scaled(x_row, start + offs, V, temp)  # [BLOCK]
-                        key = _key_of(s)
-                        go = passes >= 0
-                        if SBLOCK < BLOCK:
-                            band = (key >= lo) & (key <= hi)
-                            go = first | (tl.max(band.to(tl.int32), axis=0) > 0)
-                        if go:
-                            for sub in range(0, BLOCK, SBLOCK):
-                                if SBLOCK < BLOCK:
-                                    ss = _load_scaled(x_row, start + sub + soffs, V, temp)
-                                    sk = _key_of(ss)  # [SBLOCK]
-                                else:
-                                    ss = s
-                                    sk = key
-                                a_n, a_m, a_z = _search_step(
-                                    ss, sk, lo, hi, piv2, peak64, a_n, a_m, a_z
-                                )
-                if first:
-                    z = tl.sum(a_z, axis=0)
-                n_gt = n_hi + tl.sum(a_n & 65535, axis=1)  # [NP] count strictly above each
-                n_eq = tl.sum(a_n >> 16, axis=1)  # [NP] count equal to each pivot
-                m_gt = m_hi + tl.sum(a_m, axis=1)  # [NP] unnormalised mass strictly above
-                q = (n_gt < kk) & (m_gt / z < pp64)
-                q = (q & (c > 0)) | (c == NP - 1)
-                new_lo = tl.max(tl.where(q, -2147483647 - 1, piv), axis=0)
-                new_hi = tl.min(tl.where(q, piv, 2147483647), axis=0)
-                gt_lo = tl.min(tl.where(q, 2147483647, n_gt), axis=0)
-                ge_lo = tl.min(tl.where(q, 2147483647, n_gt + n_eq), axis=0)  # count >= new_lo
-                ge_hi = tl.max(tl.where(q, n_gt + n_eq, 0), axis=0)
-                # at new_hi: n_gt and m_gt fall with the pivot, so their largest over q
-                n_hi = tl.max(tl.where(q, n_gt, 0), axis=0)
-                m_hi = tl.max(tl.where(q, m_gt, 0.0), axis=0)
-                inside = gt_lo - ge_hi
-                use_value = (~by_value) | (4 * inside <= before)
-                before = inside
-                lo = new_lo
-                hi = new_hi
-                passes += 1
-                if CAP > 0:
-                    n_band = ge_lo - n_hi  # tokens with a key in [lo, hi]
-                    if (n_buf < 0) & (inside > 0) & (n_band <= CAP):
-                        n_buf = 0
-                        for start in range(0, V, BLOCK):
-                            s = _load_scaled(x_row, start + offs, V, temp)
-                            key = _key_of(s)
-                            band = (key >= lo) & (key <= hi)
-                            nb = tl.sum(band.to(tl.int32), axis=0)
-                            if nb > 0:
-                                at = n_buf + tl.cumsum(band.to(tl.int32), axis=0) - 1
-                                tl.store(buf_row + at, s, mask=band)
-                                n_buf += nb
-                        tl.debug_barrier()  # every warp's copy is in place before any reads it
-                    elif (n_buf > SBLOCK) & (inside > 0) & (4 * n_band <= n_buf):
-                        # the buffer's bracket shrank 4-fold: keep only [lo, hi], in place
-                        # (a token moves only down; every warp reads a sub-step before any
-                        # of them writes it)
-                        n_keep = 0
-                        for start in range(0, n_buf, SBLOCK):
-                            idx = start + soffs
-                            ss = tl.load(buf_row + idx, mask=idx < n_buf, other=NEG)
-                            sk = _key_of(ss)
-                            band = (sk >= lo) & (sk <= hi) & (idx < n_buf)
-                            nb = tl.sum(band.to(tl.int32), axis=0)
-                            tl.debug_barrier()
-                            if nb > 0:
-                                at = n_keep + tl.cumsum(band.to(tl.int32), axis=0) - 1
-                                tl.store(buf_row + at, ss, mask=band)
-                                n_keep += nb
-                        n_buf = n_keep
-                        tl.debug_barrier()
-            thr_key = tl.where(search, hi, lo + 1)
-        thr = tl.where(sample, _value_of(thr_key), peak)
-
-        # last pass: inverse CDF of the kept mass in vocabulary order, float64. Each BLOCK step
-        # holding a kept token adds its mass sum(exp(s - peak)) to its slot of w_steps; one
-        # uniform picks the step where the running mass crosses u * total, and that step alone
-        # is read again to find the token. One exp per kept column and one random number per
-        # row (a Gumbel draw needs a Philox call and two float64 logs per column).
-        steps = tl.arange(0, NS)
-        w_steps = tl.zeros([NS], tl.float64)
-        drawn = arg
-        if sample:
-            for start in range(0, V, BLOCK):
-                cols = start + offs
-                s = _load_scaled(x_row, cols, V, temp)
-                keep = (s >= thr) & (cols < V)
-                if tl.max(keep.to(tl.int32), axis=0) > 0:
-                    w = tl.sum(tl.where(keep, tl.exp(s.to(tl.float64) - peak64), 0.0), axis=0)
-                    w_steps = tl.where(steps == start // BLOCK, w, w_steps)
-            cum = tl.cumsum(w_steps, axis=0)  # [NS] mass up to and including each step
-            r0, r1, _, _ = tl.randint4x(tl.load(seed_ptr), row.to(tl.int32))
-            u = ((r0 >> 5).to(tl.float64) * 67108864.0 + (r1 >> 6).to(tl.float64)) * (1.0 / 9007199254740992.0)  # fmt: skip
-            target = u * tl.max(cum, axis=0)  # u in [0, 1): 53 random bits
-            j = tl.min(tl.where(cum > target, steps, NS), axis=0)
-            last = tl.max(tl.where(w_steps > 0.0, steps, 0), axis=0)
-            j = tl.where(j >= NS, last, j)  # target rounded up to the total
-            mass_before = tl.sum(tl.where(steps == j, cum - w_steps, 0.0), axis=0)
-            cols = j * BLOCK + offs
-            s = _load_scaled(x_row, cols, V, temp)
-            keep = (s >= thr) & (cols < V)
-            run = mass_before + tl.cumsum(tl.where(keep, tl.exp(s.to(tl.float64) - peak64), 0.0), axis=0)
-            pick = tl.min(tl.where(keep & (run > target), cols, V), axis=0)
-            fallback = tl.max(tl.where(keep, cols, -1), axis=0)  # rounding: the step's last kept
-            drawn = tl.where(pick < V, pick, fallback)
-            drawn = tl.where(drawn < 0, arg, drawn)
-        tl.store(out_ptr + row, tl.where(sample, drawn, arg).to(tl.int64))
-        tl.store(thr_ptr + row, thr)
-
-
 def _sample_launch_options(search: bool) -> dict:
     """Launch options of the sampling kernel with / without the search: its num_warps and, with
     the search, the register cap (also what tests/triton_aot.py compiles)."""
@@ -1743,7 +1095,7 @@ def _sample_rows_triton(
     # a search buffer per program: a bounded grid; without one, a program per row as usual
     grid = max(1, min(rows, programs or (_sample_programs(device) if cap else rows)))
     buf = torch.empty((grid, cap) if cap else (1,), dtype=torch.float32, device=device)
-    _sample_rows_kernel[(grid,)](
+    ddtree_triton.sample_rows_kernel[(grid,)](
         x, temp.contiguous(), kk.contiguous(), pp.contiguous(), log_mp.contiguous(),
         greedy.to(torch.int8), seed, token, thr, buf,
         torch.zeros(1, dtype=torch.int32, device=device), rows, vocab, x.stride(0),
@@ -1883,7 +1235,7 @@ def sample_tree_targets(
 
     Returns ``[bs, N]`` int64: pass it as ``target_predict`` to ``sgl_kernel.verify_tree_greedy``
     (or :func:`verify_greedy_reference`), or as ``samples=`` to
-    :func:`verify_sampling_reference`; the walk is then lossless target sampling.
+    ``ddtree_reference.verify_sampling_reference``; the walk is then lossless target sampling.
     """
     if n_per_req < 1:
         raise ValueError(f"n_per_req must be >= 1, got {n_per_req}")
@@ -1938,54 +1290,6 @@ def sample_tree_targets_from_batch(logits: Tensor, sampling_info, n_per_req: int
             or getattr(sampling_info, "need_top_p_sampling", True)
         ),
     )
-
-
-def target_probs_from_logits(
-    logits: Tensor,
-    temperature: Tensor | float,
-    top_k: Tensor | int | None = None,
-    top_p: Tensor | float | None = None,
-    min_p: Tensor | float | None = None,
-) -> Tensor:
-    """Dense reference of :func:`sample_from_logits`: the filtered, renormalised distributions.
-
-    Same semantics (SGLang's joint top-k/top-p rule on the unrenormalised probabilities, min-p
-    relative to the largest probability, exact top_p = 1, greedy = one-hot at the first argmax),
-    computed with a full sort and float64 masses. For tests and the CPU; it allocates several
-    dense ``[..., V]`` tensors, so the verify uses :func:`sample_tree_targets` instead.
-
-    Args:
-        logits: ``[bs, N, V]`` (or ``[bs, V]``).
-        temperature, top_k, top_p, min_p: a number or ``[bs]`` (one per request, shared by its N
-            rows), as in :func:`sample_from_logits`.
-
-    Returns float32 probabilities of the same shape.
-    """
-    squeeze = logits.dim() == 2
-    x = logits.unsqueeze(1) if squeeze else logits
-    bs, _, vocab = x.shape
-    device = x.device
-    temp, kk, pp, log_mp, greedy = (
-        t.reshape(bs, 1, 1)
-        for t in _sampling_rows(bs, vocab, device, temperature, top_k, top_p, min_p)
-    )
-    s = x.float() / temp + 0.0
-    desc = torch.sort(s, dim=-1, descending=True).values
-    prob = torch.softmax(desc.double(), dim=-1)
-    # for every token: how many tokens, and how much mass, lie strictly above it
-    n_gt = torch.searchsorted(-desc.contiguous(), -s.contiguous(), right=False)
-    mass_before = torch.cat(
-        [torch.zeros_like(prob[..., :1]), prob.cumsum(dim=-1)], dim=-1
-    )
-    m_gt = mass_before.gather(-1, n_gt)
-    peak = desc[..., :1]
-    keep = (n_gt < kk) & (m_gt < pp.double()) & (s >= peak + log_mp)
-    p_all = torch.softmax(s.double(), dim=-1)
-    kept = torch.where(keep, p_all, 0.0)
-    kept = (kept / kept.sum(dim=-1, keepdim=True)).float()
-    onehot = torch.zeros_like(s).scatter(-1, s.argmax(dim=-1, keepdim=True), 1.0)
-    out = torch.where(greedy, onehot, kept)
-    return out.squeeze(1) if squeeze else out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -2044,41 +1348,117 @@ def accept_plan(
     )
 
 
-def tree_metrics(tree: DDTree, accept_len: Tensor | None = None) -> dict:
-    """Debug statistics as Python numbers: tree shape and acceptance (if ``accept_len`` given)."""
-    valid = tree.node_valid.detach().cpu()
-    depth = tree.depth.detach().cpu()
-    bs, _ = valid.shape
-    max_depth = int(depth.max()) if depth.numel() else 0
-    nodes = valid.sum(dim=1)
-    width = [
-        float(((depth == d) & valid).sum()) / bs if bs else 0.0
-        for d in range(1, max_depth + 1)
-    ]
-    tree_depth = torch.where(valid, depth, 0).amax(dim=1) if bs else torch.zeros(0)
-    out: dict = {
-        "requests": bs,
-        "mean_nodes": float(nodes.float().mean()) if bs else 0.0,
-        "mean_tree_depth": float(tree_depth.float().mean()) if bs else 0.0,
-        "max_tree_depth": int(tree_depth.max()) if bs else 0,
-        "width_per_depth": width,
-    }
-    if accept_len is not None:
-        acc = accept_len.detach().cpu().to(torch.int64)
-        top = max(max_depth, int(acc.max()) if acc.numel() else 0)
-        out["accept_hist"] = (
-            torch.bincount(acc, minlength=top + 1).tolist() if acc.numel() else []
-        )
-        out["mean_accept_len"] = float(acc.float().mean()) if acc.numel() else 0.0
-        out["mean_tokens_per_step"] = (
-            out["mean_accept_len"] + 1.0 if acc.numel() else 0.0
-        )
-    return out
-
-
 # ----------------------------------------------------------------------------------------------
 # Sync-free round pieces for an overlapped scheduler (SGLang spec-v2 workers)
 # ----------------------------------------------------------------------------------------------
+# One round of the 0.5.16 worker, in order: the verify slots (:func:`verify_slots`), the FULL
+# mask positions (:func:`tree_custom_mask_index`, :func:`restore_true_mask`), the accept
+# (:func:`accept_tree_greedy`), the commit layout (:func:`tree_commit_layout`) and the KV move
+# of the accepted path (:func:`kv_path_locs` / :func:`kv_move_locs`, :func:`move_kv_rows`).
+#
+# Slot layout per request and round (p = committed prefix, N = budget + 1 verify tokens,
+# D = max depth): the DFlash draft block at req_to_token[p : p + block] (draft pool), tree node
+# j at req_to_token[p + j], j < N, and the KV move's staging slots at
+# req_to_token[p + N : p + N + D + 1]. After verify the accepted path's target KV moves to
+# req_to_token[p : p + D + 1]; req_to_token itself is never rewritten (the schedule stream may
+# read it).
+
+
+def verify_slots(
+    req_to_token: Tensor,
+    req_pool_indices: Tensor,
+    prefix_lens: Tensor,
+    width: int,
+) -> Tensor:
+    """``req_to_token[req, p : p + width]`` per request: ``[bs, width]`` int64, no sync."""
+    cols = prefix_lens.to(torch.int64).view(-1, 1) + torch.arange(
+        width, device=prefix_lens.device
+    ).view(1, -1)
+    rows = req_pool_indices.to(torch.int64).view(-1, 1)
+    return req_to_token[rows, cols].to(torch.int64)
+
+
+def accept_tree_greedy(
+    candidates: Tensor,
+    target_predict: Tensor,
+    retrieve_index: Tensor,
+    retrieve_next_token: Tensor,
+    retrieve_next_sibling: Tensor,
+    max_depth: int,
+    kernel=None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Greedy tree walk following ``target_predict`` (argmax, or one sample per node).
+
+    Args:
+        candidates, target_predict, retrieve_next_token, retrieve_next_sibling: ``[bs, N]``.
+        retrieve_index: ``[bs, N]`` flat verify rows ``b * N + i``.
+        kernel: ``sgl_kernel.verify_tree_greedy`` (the caller imports it), used for CUDA
+            tensors; without it, or off CUDA, :func:`verify_greedy_reference`.
+
+    Returns ``(accept_index [bs, D+1] int64 within-request, -1 padded; accept_len [bs] int64;
+    bonus [bs] int64)``. Sync-free with the kernel.
+    """
+    bs, n = candidates.shape
+    if kernel is None or not candidates.is_cuda:
+        return verify_greedy_reference(
+            candidates, retrieve_next_token, retrieve_next_sibling, target_predict, max_depth
+        )
+    device = candidates.device
+    predicts = torch.empty((bs * n,), dtype=torch.int32, device=device)
+    accept_index = torch.full((bs, max_depth + 1), -1, dtype=torch.int32, device=device)
+    accept_token_num = torch.zeros((bs,), dtype=torch.int32, device=device)
+    kernel(
+        predicts=predicts,
+        accept_index=accept_index,
+        accept_token_num=accept_token_num,
+        candidates=candidates,
+        retrive_index=retrieve_index,
+        retrive_next_token=retrieve_next_token,
+        retrive_next_sibling=retrieve_next_sibling,
+        target_predict=target_predict,
+    )
+    rows = torch.arange(bs, device=device)
+    accept_len = accept_token_num.to(torch.int64)
+    last_flat = accept_index[rows, accept_len].to(torch.int64)
+    bonus = predicts[last_flat].to(torch.int64)
+    local = accept_index.to(torch.int64) - (rows * n)[:, None]
+    local = torch.where(accept_index >= 0, local, torch.full_like(local, -1))
+    return local, accept_len, bonus
+
+
+def kv_path_locs(slots: Tensor, path: Tensor, n: int, depth: int) -> tuple[Tensor, Tensor]:
+    """``(committed, path_slots)`` ``[bs, D + 1]`` int64: the slots the accepted path's KV
+    goes to and the verify slots it is in (a request's targets may be its own sources).
+
+    Args:
+        slots: ``[bs, >= N]`` from :func:`verify_slots`.
+        path: ``[bs, >= D + 1]`` verify index of the i-th committed token (any value past
+            the committed length: those moves only touch slots past it), as
+            :func:`tree_commit_layout` returns.
+        n: N; depth: D.
+    """
+    k = depth + 1
+    return slots[:, :k], slots[:, :n].gather(1, path[:, :k].to(torch.int64))
+
+
+def kv_move_locs(
+    slots: Tensor, path: Tensor, n: int, depth: int
+) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
+    """The same move as two (tgt, src) copies through the staging slots, for a pool's
+    own ``move_kv_cache`` (which may not read all sources before it writes).
+
+    Args: as :func:`kv_path_locs`, with ``slots`` of width N + D + 1.
+
+    Returns ``((staging, path_slots), (committed, staging))`` flat int64 tensors of
+    ``bs * (D + 1)`` entries each; within each copy, targets and sources are disjoint.
+    """
+    k = depth + 1
+    committed, path_slots = kv_path_locs(slots, path, n, depth)
+    staging = slots[:, n : n + k]
+    return (
+        (staging.reshape(-1), path_slots.reshape(-1)),
+        (committed.reshape(-1), staging.reshape(-1)),
+    )
 
 
 def tree_custom_mask_index(seq_lens: Tensor, n: int) -> Tensor:
@@ -2197,39 +1577,6 @@ def kv_rows(buffers) -> KVRows | None:
 _KV_MOVE_TILE = 256
 
 
-if triton is not None:
-
-    @triton.jit
-    def _move_kv_rows_kernel(
-        ptrs_ptr,  # [L] i64 buffer base addresses
-        row_bytes_ptr,  # [L] i64 bytes per slot row
-        tgt_ptr,  # [bs, K] i64 target slots
-        src_ptr,  # [bs, K] i64 source slots
-        K,
-        KP: tl.constexpr,  # pow2 >= K
-        TILE: tl.constexpr,
-    ):
-        # One program: one buffer, one request, one byte tile of its rows. It loads every
-        # source row of its request before it stores any, so a request's moves may overlap
-        # (a target that is another move's source) as long as requests do not share slots.
-        buf = tl.program_id(0)
-        req = tl.program_id(1)
-        tile = tl.program_id(2)
-        row = tl.load(row_bytes_ptr + buf)
-        base = tl.load(ptrs_ptr + buf).to(tl.pointer_type(tl.uint8))
-        off = tile * TILE + tl.arange(0, TILE)
-        off = tl.multiple_of(off, 16)
-        r = tl.arange(0, KP)
-        live = r < K
-        src = tl.load(src_ptr + req * K + r, mask=live, other=0)
-        tgt = tl.load(tgt_ptr + req * K + r, mask=live, other=0)
-        m = (live & (src != tgt))[:, None] & (off < row)[None, :]
-        vals = tl.load(base + src[:, None] * row + off[None, :], mask=m)
-        # Threads store what other threads load: every load of the program completes first.
-        tl.debug_barrier()
-        tl.store(base + tgt[:, None] * row + off[None, :], vals, mask=m)
-
-
 def move_kv_rows(rows: KVRows, tgt: Tensor, src: Tensor, backend: str = "auto") -> None:
     """Per request ``b`` and buffer: ``buf[tgt[b, i]] = buf[src[b, i]]`` for every ``i``, all
     reads of a request before its writes. No host sync.
@@ -2249,7 +1596,7 @@ def move_kv_rows(rows: KVRows, tgt: Tensor, src: Tensor, backend: str = "auto") 
         return
     if _triton_ok(tgt.device, backend):
         tiles = triton.cdiv(rows.max_row_bytes, _KV_MOVE_TILE)
-        _move_kv_rows_kernel[(len(rows.buffers), bs, tiles)](
+        ddtree_triton.move_kv_rows_kernel[(len(rows.buffers), bs, tiles)](
             rows.ptrs,
             rows.row_bytes,
             tgt.to(torch.int64).contiguous(),
@@ -2282,191 +1629,6 @@ _TREE_ATTN_MAX_SPLITS = 16
 _SM_COUNT: dict = {}
 
 
-def tree_verify_attention_reference(
-    q: Tensor,
-    k_buffer: Tensor,
-    v_buffer: Tensor,
-    kv_indptr: Tensor,
-    kv_indices: Tensor,
-    k_tree: Tensor,
-    v_tree: Tensor,
-    mask: Tensor,
-    mask_indptr: Tensor,
-    n: int,
-    sm_scale: float,
-) -> Tensor:
-    """The definition, request by request in float32 (for tests).
-
-    Args:
-        q: ``[bs * N, Hq, D]`` the tree tokens' queries (request-major, node order).
-        k_buffer, v_buffer: ``[slots, Hkv, D]`` the KV cache holding each request's prefix.
-        kv_indptr: ``[bs + 1]``; ``kv_indices[kv_indptr[b]:kv_indptr[b + 1]]`` are request
-            ``b``'s prefix slots in order (``p_b`` of them).
-        k_tree, v_tree: ``[bs * N, Hkv, D]`` the tree tokens' keys and values.
-        mask: flat bool, SGLang's FULL custom mask: request ``b``'s row ``i`` starts at
-            ``mask_indptr[b] + i * (p_b + N)``; its first ``p_b`` entries (the prefix) are not
-            read (every node sees the whole prefix), entry ``p_b + j`` allows tree token ``j``.
-        n: ``N``; sm_scale: the softmax scale.
-
-    Returns ``[bs * N, Hq, D]`` in ``q``'s dtype.
-    """
-    bs = kv_indptr.numel() - 1
-    hq, hkv = q.shape[1], k_tree.shape[1]
-    g = hq // hkv
-    out = torch.empty_like(q)
-    for b in range(bs):
-        lo, hi = int(kv_indptr[b]), int(kv_indptr[b + 1])
-        p = hi - lo
-        slots = kv_indices[lo:hi].long()
-        keys = torch.cat([k_buffer[slots], k_tree[b * n : (b + 1) * n]]).float()  # [p+N, Hkv, D]
-        vals = torch.cat([v_buffer[slots], v_tree[b * n : (b + 1) * n]]).float()
-        start = int(mask_indptr[b])
-        rows = torch.arange(n, device=mask.device).view(n, 1) * (p + n) + p
-        tree = mask[start + rows + torch.arange(n, device=mask.device).view(1, n)].bool()
-        allowed = torch.cat([torch.ones(n, p, dtype=torch.bool, device=mask.device), tree], 1)
-        qb = q[b * n : (b + 1) * n].float()  # [N, Hq, D]
-        kk = keys.repeat_interleave(g, dim=1)  # [p+N, Hq, D]
-        vv = vals.repeat_interleave(g, dim=1)
-        s = torch.einsum("nhd,khd->hnk", qb, kk) * sm_scale
-        s = s.masked_fill(~allowed.unsqueeze(0), float("-inf"))
-        out[b * n : (b + 1) * n] = torch.einsum("hnk,khd->nhd", s.softmax(-1), vv).to(q.dtype)
-    return out
-
-
-if triton is not None:
-
-    @triton.jit
-    def _tree_attn_load_q(q_ptr, b, kvh, rb, N, G, q_s0, q_s1, D, BLOCK_R: tl.constexpr,
-                          BLOCK_D: tl.constexpr):
-        """Rows rb * BLOCK_R + [0, BLOCK_R) of KV head kvh: row r = node r // G, head r % G."""
-        r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
-        node = r // G
-        head = kvh * G + r % G
-        d = tl.arange(0, BLOCK_D)
-        live = r < N * G
-        ptrs = q_ptr + (b * N + node)[:, None] * q_s0 + head[:, None] * q_s1 + d[None, :]
-        q = tl.load(ptrs, mask=live[:, None] & (d[None, :] < D), other=0.0)
-        return q, r, node, head, live
-
-    @triton.jit
-    def _tree_attn_step(q, k, v, allowed, sm_scale, m, acc_l, acc):
-        """One online-softmax step over a block of keys: scores of the allowed (row, key)
-        pairs, running max m, sum acc_l and unnormalised output acc (rows with no allowed
-        key so far stay at -inf / 0)."""
-        sc = tl.dot(q, tl.trans(k.to(q.dtype))) * sm_scale
-        sc = tl.where(allowed, sc, float("-inf"))
-        m_new = tl.maximum(m, tl.max(sc, 1))
-        live = m_new > float("-inf")
-        alpha = tl.where(live, tl.exp(m - m_new), 1.0)
-        p = tl.where(live[:, None], tl.exp(sc - m_new[:, None]), 0.0)
-        acc_l = acc_l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
-        return m_new, acc_l, acc
-
-    @triton.jit
-    def _tree_attn_finish(m, acc_l, acc):
-        """(normalised output, log-sum-exp) of an online softmax; -inf for rows without keys."""
-        has = acc_l > 0
-        lse = tl.where(has, m + tl.log(tl.where(has, acc_l, 1.0)), float("-inf"))
-        return acc / tl.where(has, acc_l, 1.0)[:, None], lse
-
-    @triton.jit
-    def _tree_attn_prefix_kernel(
-        q_ptr, k_ptr, v_ptr,  # q [bs*N, Hq, D]; k/v cache [slots, Hkv, D]
-        indptr_ptr, indices_ptr,  # [bs+1] i32/i64; [*] slots
-        ws_o_ptr, ws_lse_ptr,  # [bs, Hkv, RB, S, BLOCK_R, BLOCK_D] f32; [bs, Hkv, RB, S, BLOCK_R] f32
-        N, G, D, S, RB,
-        q_s0, q_s1, k_s0, k_s1, v_s0, v_s1,
-        sm_scale,
-        BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    ):
-        # One program: request b, KV head kvh, row block rb, prefix split s. Writes the split's
-        # normalised partial output and its log-sum-exp (-inf for an empty split).
-        b = tl.program_id(0)
-        kvh = tl.program_id(1) // RB
-        rb = tl.program_id(1) % RB
-        s = tl.program_id(2)
-        Hkv = tl.num_programs(1) // RB
-        q = _tree_attn_load_q(q_ptr, b, kvh, rb, N, G, q_s0, q_s1, D, BLOCK_R, BLOCK_D)[0]
-        d = tl.arange(0, BLOCK_D)
-        start = tl.load(indptr_ptr + b).to(tl.int64)
-        plen = tl.load(indptr_ptr + b + 1).to(tl.int64) - start
-        per = tl.cdiv(plen, S)
-        lo = s * per
-        hi = tl.minimum(lo + per, plen)
-        m = tl.full((BLOCK_R,), float("-inf"), tl.float32)
-        acc_l = tl.zeros((BLOCK_R,), tl.float32)
-        acc = tl.zeros((BLOCK_R, BLOCK_D), tl.float32)
-        for k0 in range(lo, hi, BLOCK_N):
-            cols = k0 + tl.arange(0, BLOCK_N)
-            cm = cols < hi
-            slot = tl.load(indices_ptr + start + cols, mask=cm, other=0).to(tl.int64)
-            kmask = cm[:, None] & (d[None, :] < D)
-            k = tl.load(k_ptr + slot[:, None] * k_s0 + kvh * k_s1 + d[None, :], mask=kmask, other=0.0)
-            v = tl.load(v_ptr + slot[:, None] * v_s0 + kvh * v_s1 + d[None, :], mask=kmask, other=0.0)
-            m, acc_l, acc = _tree_attn_step(q, k, v, cm[None, :], sm_scale, m, acc_l, acc)
-        base = ((b * Hkv + kvh) * RB + rb) * S + s
-        rows = tl.arange(0, BLOCK_R)
-        o, lse = _tree_attn_finish(m, acc_l, acc)
-        tl.store(ws_lse_ptr + base * BLOCK_R + rows, lse)
-        tl.store(ws_o_ptr + (base * BLOCK_R + rows)[:, None] * BLOCK_D + d[None, :], o)
-
-    @triton.jit
-    def _tree_attn_tree_kernel(
-        q_ptr, kt_ptr, vt_ptr,  # q [bs*N, Hq, D]; tree k/v [bs*N, Hkv, D]
-        indptr_ptr, mask_ptr, mask_indptr_ptr,  # prefix lengths; FULL mask (bool); [bs+1]
-        ws_o_ptr, ws_lse_ptr, o_ptr,  # prefix partials; out [bs*N, Hq, D]
-        N, G, D, S, RB,
-        q_s0, q_s1, kt_s0, kt_s1, vt_s0, vt_s1, o_s0, o_s1,
-        sm_scale,
-        BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    ):
-        # One program: request b, KV head kvh, row block rb. The tree block under the ancestor
-        # mask (a node always sees itself, so every row has a live key), then the merge with the
-        # S prefix partials.
-        b = tl.program_id(0)
-        kvh = tl.program_id(1) // RB
-        rb = tl.program_id(1) % RB
-        Hkv = tl.num_programs(1) // RB
-        q, _, node, head, live = _tree_attn_load_q(
-            q_ptr, b, kvh, rb, N, G, q_s0, q_s1, D, BLOCK_R, BLOCK_D
-        )
-        d = tl.arange(0, BLOCK_D)
-        plen = (tl.load(indptr_ptr + b + 1) - tl.load(indptr_ptr + b)).to(tl.int64)
-        row0 = tl.load(mask_indptr_ptr + b).to(tl.int64) + node.to(tl.int64) * (plen + N) + plen
-        m = tl.full((BLOCK_R,), float("-inf"), tl.float32)
-        acc_l = tl.zeros((BLOCK_R,), tl.float32)
-        acc = tl.zeros((BLOCK_R, BLOCK_D), tl.float32)
-        for j0 in range(0, N, BLOCK_N):
-            j = j0 + tl.arange(0, BLOCK_N)
-            jm = j < N
-            tok = (b * N + j).to(tl.int64)
-            kmask = jm[:, None] & (d[None, :] < D)
-            k = tl.load(kt_ptr + tok[:, None] * kt_s0 + kvh * kt_s1 + d[None, :], mask=kmask, other=0.0)
-            v = tl.load(vt_ptr + tok[:, None] * vt_s0 + kvh * vt_s1 + d[None, :], mask=kmask, other=0.0)
-            allow = tl.load(mask_ptr + row0[:, None] + j[None, :], mask=live[:, None] & jm[None, :], other=0)
-            m, acc_l, acc = _tree_attn_step(q, k, v, allow != 0, sm_scale, m, acc_l, acc)
-        out, lse_t = _tree_attn_finish(m, acc_l, acc)
-        # merge: out = sum_k exp(lse_k - LSE) o_k over the tree part and the S prefix splits
-        top = lse_t
-        base = ((b * Hkv + kvh) * RB + rb) * S
-        rows = tl.arange(0, BLOCK_R)
-        for s in range(S):
-            top = tl.maximum(top, tl.load(ws_lse_ptr + (base + s) * BLOCK_R + rows))
-        w = tl.exp(lse_t - top)
-        total = w
-        out = out * w[:, None]
-        for s in range(S):
-            lse_s = tl.load(ws_lse_ptr + (base + s) * BLOCK_R + rows)
-            w_s = tl.exp(lse_s - top)
-            o_s = tl.load(ws_o_ptr + ((base + s) * BLOCK_R + rows)[:, None] * BLOCK_D + d[None, :])
-            out += o_s * w_s[:, None]
-            total += w_s
-        out = out / total[:, None]
-        optr = o_ptr + (b * N + node)[:, None] * o_s0 + head[:, None] * o_s1 + d[None, :]
-        tl.store(optr, out.to(o_ptr.dtype.element_ty), mask=live[:, None] & (d[None, :] < D))
-
-
 def tree_verify_splits(bs: int, kv_heads: int, row_blocks: int, device: torch.device) -> int:
     """Prefix splits per (request, KV head, row block): enough programs for about two waves
     of the device's SMs, at most ``_TREE_ATTN_MAX_SPLITS`` (host arithmetic; a CUDA graph of
@@ -2497,7 +1659,7 @@ def tree_verify_attention(
     out: Tensor | None = None,
     splits: int | None = None,
 ) -> Tensor:
-    """Attention of a tree verify, as :func:`tree_verify_attention_reference` (same arguments),
+    """Attention of a tree verify, as ``ddtree_reference.tree_verify_attention_reference`` (same arguments),
     with two Triton kernels and no host sync (capturable in a CUDA graph): split-KV over the
     prefix, then the masked tree block and a log-sum-exp merge. ``out``: ``[bs * N, Hq, D]``
     to write into (else allocated); ``splits``: prefix splits (default
@@ -2523,14 +1685,14 @@ def tree_verify_attention(
     ws_o = torch.empty((bs, hkv, rb, s, _TREE_ATTN_ROWS, bd), dtype=torch.float32, device=q.device)
     ws_lse = torch.empty((bs, hkv, rb, s, _TREE_ATTN_ROWS), dtype=torch.float32, device=q.device)
     common = {"BLOCK_R": _TREE_ATTN_ROWS, "BLOCK_N": _TREE_ATTN_KEYS, "BLOCK_D": bd, "num_warps": 4}
-    _tree_attn_prefix_kernel[(bs, hkv * rb, s)](
+    ddtree_triton.tree_attn_prefix_kernel[(bs, hkv * rb, s)](
         q, k_buffer, v_buffer, kv_indptr, kv_indices, ws_o, ws_lse,
         n, g, dim, s, rb,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1),
         float(sm_scale), **common,
     )  # fmt: skip
-    _tree_attn_tree_kernel[(bs, hkv * rb)](
+    ddtree_triton.tree_attn_tree_kernel[(bs, hkv * rb)](
         q, k_tree, v_tree, kv_indptr, mask, mask_indptr, ws_o, ws_lse, out,
         n, g, dim, s, rb,
         q.stride(0), q.stride(1), k_tree.stride(0), k_tree.stride(1),
@@ -2538,115 +1700,3 @@ def tree_verify_attention(
         float(sm_scale), **common,
     )  # fmt: skip
     return out
-
-
-# ----------------------------------------------------------------------------------------------
-# Serving limits: server-argument numbers derived from the budget (shared by every pin)
-# ----------------------------------------------------------------------------------------------
-# Plain integer arithmetic on the values SGLang's server args and memory plan hold; the patches
-# of each pin call these, so the rules stay the same across pins. Units are tokens (= KV slots
-# at page size 1) unless a name says bytes.
-
-# Dense float32 [V] rows a sampled verify keeps per verify token besides the logits themselves
-# (the bounded-memory sampler's workspace, at most 2x the verify logits).
-VERIFY_SAMPLING_WORKSPACE_ROWS = 2
-# Share of the memory free after startup that the verify logits and the sampler may use; the
-# rest is left to the forward's activations (bounded separately by max_forward_tokens).
-VERIFY_LOGITS_MEMORY_SHARE = 0.5
-
-
-def max_accept_depth(budget: int, block_size: int) -> int:
-    """Most draft tokens one round can accept: the tree depth is capped by the draft block."""
-    return max(0, min(int(budget), int(block_size) - 1))
-
-
-def decode_kv_reservation(budget: int, block_size: int) -> int:
-    """KV slots one request allocates at the peak of a round (page size 1).
-
-    A v1 round allocates the draft block (``block_size`` slots), frees it before the verify,
-    then allocates the verify tree (``budget + 1`` slots) and frees the rejected nodes after
-    it, so the peak per request is ``max(block_size, budget + 1)``.
-    """
-    return max(int(block_size), int(budget) + 1)
-
-
-def spec_steps_and_topk(budget: int, block_size: int) -> tuple[int, int]:
-    """``(speculative_num_steps, speculative_eagle_topk)`` for a DDTree target.
-
-    SGLang reserves ``max(num_steps * topk, num_draft_tokens)`` KV slots per request and decode
-    round (page size 1, spec v1); topk must be > 1 so that the fa3 and Mamba backends take
-    their tree paths. ``(1, decode_kv_reservation)`` makes the reservation exactly the peak.
-    """
-    return 1, max(2, decode_kv_reservation(budget, block_size))
-
-
-def verify_token_limit(
-    free_bytes: int,
-    vocab_size: int,
-    max_forward_tokens: int,
-    extra_bytes_per_token: int = 0,
-) -> int:
-    """Most tokens one verify forward may hold, from the memory left after startup.
-
-    Each verify token gets a float32 ``[V]`` logits row plus the sampler's workspace
-    (``VERIFY_SAMPLING_WORKSPACE_ROWS`` more rows) and ``extra_bytes_per_token`` (e.g. the
-    captured hidden states); together they may use ``VERIFY_LOGITS_MEMORY_SHARE`` of
-    ``free_bytes``. ``max_forward_tokens`` (the largest extend forward the memory plan was sized
-    for, SGLang's chunked prefill size) bounds the activations. At least 1.
-    """
-    per_token = 4 * int(vocab_size) * (1 + VERIFY_SAMPLING_WORKSPACE_ROWS) + int(
-        extra_bytes_per_token
-    )
-    by_memory = int(max(0, int(free_bytes)) * VERIFY_LOGITS_MEMORY_SHARE) // max(1, per_token)
-    return max(1, min(int(max_forward_tokens), by_memory))
-
-
-def verify_max_running_requests(
-    token_limit: int, budget: int, block_size: int, requested: int
-) -> int:
-    """Running-request cap so that every forward of a round (the draft block, ``block_size``
-    tokens a request, and the verify, ``budget + 1``) stays within ``token_limit``. At least 1
-    and at most ``requested``."""
-    per_request = decode_kv_reservation(budget, block_size)
-    return max(1, min(int(requested), int(token_limit) // per_request))
-
-
-def graph_batch_size(bs: int, captured: list[int] | tuple[int, ...]) -> int | None:
-    """The smallest captured batch size >= ``bs`` (``captured`` sorted ascending), or None
-    when ``bs`` is larger than every captured size (the caller then runs eagerly)."""
-    for size in captured:
-        if size >= bs:
-            return int(size)
-    return None
-
-
-def unsupported_sampling_param(
-    *,
-    repetition_penalty: float = 1.0,
-    frequency_penalty: float = 0.0,
-    presence_penalty: float = 0.0,
-    min_new_tokens: int = 0,
-    sampling_seed: int | None = None,
-    custom_logit_processor: object | None = None,
-) -> str | None:
-    """The first request parameter the tree verify cannot apply exactly, or None.
-
-    SGLang applies penalties (and the min-new-tokens EOS mask) as one vector per request to
-    every verify row; in a tree each node has its own ancestors, so these would be inexact. A
-    custom logit processor sees one row per request in plain decoding and a per-request
-    ``sampling_seed`` fixes the plain sampler's draws, neither of which a tree can reproduce.
-    Returns the parameter's name (as in the API) with its value.
-    """
-    if repetition_penalty != 1.0:
-        return f"repetition_penalty={repetition_penalty}"
-    if frequency_penalty != 0.0:
-        return f"frequency_penalty={frequency_penalty}"
-    if presence_penalty != 0.0:
-        return f"presence_penalty={presence_penalty}"
-    if min_new_tokens and min_new_tokens > 0:
-        return f"min_new_tokens={min_new_tokens}"
-    if sampling_seed is not None:
-        return f"sampling_seed={sampling_seed}"
-    if custom_logit_processor:
-        return "custom_logit_processor"
-    return None

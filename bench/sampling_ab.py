@@ -41,8 +41,9 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import ddtree_reference as dr
 import ddtree_utils as du
-from ddtree_utils import _key_of, _load_scaled, _value_of  # main's kernel calls these
+from ddtree_triton import _key_of, _load_scaled, _value_of  # main's kernel calls these
 
 _MAIN_HELPERS = (_key_of, _load_scaled, _value_of)
 
@@ -337,7 +338,7 @@ def main() -> int:
         s = x.float() / temp.view(-1, 1) + 0.0
         ref = reference_kept(s, kk, pp, log_mp, args.chunk)
         if args.smoke:  # the chunked rule is the dense reference's keep mask
-            dense = du.target_probs_from_logits(x, args.temp, k, p, mp) > 0
+            dense = dr.target_probs_from_logits(x, args.temp, k, p, mp) > 0
             assert torch.equal(ref, dense), name
         no_filter = not du._may_filter(k, p, args.vocab)
         variants = [("main 4w", main_kernel)]

@@ -3,14 +3,15 @@
 without a GPU (issue 13 item 1): how many instructions a row costs, not how long it takes.
 
 Two parts, multiplied together:
-1. The sm_90 machine code of ``_sample_rows_kernel`` (Triton's compiler and the nvdisasm it
+1. The sm_90 machine code of the sampling kernel (``ddtree_triton.sample_rows_kernel``; Triton's compiler and the nvdisasm it
    ships, as tests/triton_aot.py): the instruction count of each loop body, found by the source
    line it holds (pass 1, a search sub-step, a search BLOCK step, the buffer copy, the draw).
    Also the registers per thread (occupancy).
 2. A numpy replay of the kernel's search on the same rows (pivots, brackets, buffer, in float64
    as the kernel): how many times each loop body runs per row.
 
-A version is this checkout's ddtree_utils.py or ``--ref REV`` (``git show REV:ddtree_utils.py``);
+A version is this checkout's ddtree_utils.py and ddtree_triton.py or ``--ref REV`` (``git show``
+of both; before the split the kernel was in ddtree_utils.py);
 the replay follows the version's pivot rule and buffer (detected from its source). Prints, per
 case, the loop counts and the estimated warp instructions per row of each version and their
 ratio. It is a model: it ignores memory traffic, latency and occupancy (it prints the
@@ -49,23 +50,46 @@ MARKERS = {
 
 
 def load_version(ref: str | None, workdir: Path):
-    """(module, source path) of ddtree_utils at ``ref`` (None: this checkout)."""
-    if ref is None:
-        path = ROOT / "ddtree_utils.py"
-    else:
-        got = subprocess.run(["git", "-C", str(ROOT), "show", f"{ref}:ddtree_utils.py"],
+    """(module, kernel source path, source text) of ddtree_utils at ``ref`` (None: this checkout).
+
+    Since the kernels moved to ddtree_triton.py, a version is ddtree_utils.py plus, when the
+    revision has it, ddtree_triton.py; both are loaded as one temporary package so that
+    ddtree_utils imports its own revision's kernels. The kernel source path is the file that
+    holds the sampling kernel; the source text is both files (the replay reads features from it).
+    """
+    tag = "checkout" if ref is None else re.sub(r"[^A-Za-z0-9]", "_", ref)
+    pkg = workdir / f"ddtree_model_{tag}"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    for name in ("ddtree_utils.py", "ddtree_triton.py"):
+        if ref is None:
+            if (ROOT / name).is_file():
+                (pkg / name).write_bytes((ROOT / name).read_bytes())
+            continue
+        got = subprocess.run(["git", "-C", str(ROOT), "show", f"{ref}:{name}"],
                              check=False, capture_output=True, text=True)  # fmt: skip
-        if got.returncode:
+        if got.returncode and name == "ddtree_utils.py":
             raise SystemExit(f"--ref {ref}: no ddtree_utils.py there ({got.stderr.strip()})")
-        text = got.stdout
-        path = workdir / f"ddtree_utils_{re.sub(r'[^A-Za-z0-9]', '_', ref)}.py"
-        path.write_text(text)
-    name = f"_model_{path.stem}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod, path
+        if not got.returncode:
+            (pkg / name).write_text(got.stdout)
+    sys.path.insert(0, str(workdir))
+    try:
+        mod = importlib.import_module(f"{pkg.name}.ddtree_utils")
+    finally:
+        sys.path.remove(str(workdir))
+    kernels = pkg / "ddtree_triton.py"
+    path = kernels if kernels.is_file() else pkg / "ddtree_utils.py"
+    text = "\n".join(p.read_text() for p in (pkg / "ddtree_utils.py", kernels) if p.is_file())
+    return mod, path, text
+
+
+def kernel_of(mod):
+    """The sampling kernel of a loaded version (ddtree_triton.sample_rows_kernel, or the
+    single-file layout's _sample_rows_kernel)."""
+    kernels = getattr(mod, "ddtree_triton", None)
+    if kernels is not None and hasattr(kernels, "sample_rows_kernel"):
+        return kernels.sample_rows_kernel
+    return mod._sample_rows_kernel
 
 
 def sass(mod, path: Path, vocab: int, workdir: Path) -> tuple[dict, int]:
@@ -74,7 +98,7 @@ def sass(mod, path: Path, vocab: int, workdir: Path) -> tuple[dict, int]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    fn = mod._sample_rows_kernel
+    fn = kernel_of(mod)
     types = {"x_ptr": "*fp32", "temp_ptr": "*fp32", "k_ptr": "*i64", "p_ptr": "*fp32",
              "lmp_ptr": "*fp32", "greedy_ptr": "*i8", "seed_ptr": "*i64", "out_ptr": "*i64",
              "thr_ptr": "*fp32", "buf_ptr": "*fp32", "next_ptr": "*i32", "R": "i32", "V": "i32", "x_stride": "i32"}  # fmt: skip
@@ -237,11 +261,11 @@ def main() -> int:
     versions = []
     with tempfile.TemporaryDirectory(prefix="sampling_model_") as tmp:
         for ref in (args.ref, None):
-            mod, path = load_version(ref, Path(tmp))
+            mod, path, text = load_version(ref, Path(tmp))
             if ref is None and args.buffer_div:
                 mod._SAMPLE_BUFFER_DIV = args.buffer_div
             sizes, regs = sass(mod, path, args.vocab, Path(tmp))
-            versions.append((ref or "this checkout", mod, path.read_text(), sizes, regs))
+            versions.append((ref or "this checkout", mod, text, sizes, regs))
             print(f"{ref or 'this checkout'}: {regs} registers/thread, loop bodies (instructions "
                   f"per iteration per warp): {sizes}")  # fmt: skip
     gen = torch.Generator().manual_seed(0)

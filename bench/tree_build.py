@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import ddtree_reference as dr
 import ddtree_utils as du
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -158,7 +159,7 @@ def bench_case(args, device, logits, budget, time_it) -> dict:
         )
 
     # the benchmarked builders must agree with the reference on these real inputs
-    ref = du.build_tree_reference(lp, ids, budget)
+    ref = dr.build_tree_reference(lp, ids, budget)
     row["build"] = time_it(build, reps)
     row["build_compile"] = time_it(build_compile, reps)
     for backend in args.backends:
@@ -184,7 +185,7 @@ def bench_case(args, device, logits, budget, time_it) -> dict:
         du._BEAM_SELECT = default
     if device.type == "cuda":
         row["graph"] = time_it(capture(build_compile), reps)
-    row["heap"] = time_it(lambda: du.build_tree_reference(lp, ids, budget), heap_reps)
+    row["heap"] = time_it(lambda: dr.build_tree_reference(lp, ids, budget), heap_reps)
     fast = row.get("graph", row["build_compile"])
     row["heap_over_fast"] = row["heap"] / fast
     row["exact"] = all(torch.equal(a, b) for a, b in zip(ref, build())) and all(

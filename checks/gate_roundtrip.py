@@ -7,9 +7,9 @@ import tempfile
 from pathlib import Path
 
 from ..deploy import snapshot as snap
-from ..deploy.build import prepare, tree_files
+from ..deploy.build import prepare, shipped_sources, tree_files
 from ..deploy.buildinfo import METADATA_NAMES, sha256_file
-from ..deploy.series import SHIPPED_UTILS, apply_series
+from ..deploy.series import SHIPPED_FILES, SHIPPED_UTILS, apply_series
 from .base import FAIL, PASS, Context, GateResult, Step
 
 NUMBER, NAME = 3, "round trip"
@@ -22,9 +22,12 @@ def staleness(ctx: Context, info, p) -> list[str]:
         why.append("the series or a patch changed since the build")
     if info.snapshot_manifest_sha256 != snap.manifest_sha256(ctx.inputs.snapshot_dir):
         why.append("the snapshot manifest changed since the build")
-    shipped = info.files.get(SHIPPED_UTILS)
-    if shipped is None or shipped.sha256 != sha256_file(ctx.inputs.ddtree_utils):
-        why.append(f"{ctx.inputs.ddtree_utils.name} changed since the build")
+    for source, rel in shipped_sources(ctx.inputs):  # ddtree_utils.py always, the others if shipped
+        shipped = info.files.get(rel)
+        if shipped is None and rel != SHIPPED_UTILS:
+            continue
+        if shipped is None or not source.is_file() or shipped.sha256 != sha256_file(source):
+            why.append(f"{source.name} changed since the build")
     return why
 
 
@@ -40,7 +43,8 @@ def run(ctx: Context, step: Step) -> GateResult:
         shutil.copytree(info.root, work)
         for name in METADATA_NAMES:
             (work / name).unlink(missing_ok=True)
-        (work / SHIPPED_UTILS).unlink()
+        for rel in SHIPPED_FILES:
+            (work / rel).unlink(missing_ok=True)
         apply_series(
             work,
             p.series.entries,

@@ -206,8 +206,10 @@ def _probe_tree(gen, prefix_lens, **compile_kw):
     import torch
     from sglang.srt.speculative import ddtree_utils as du
 
+    import ddtree_reference as dr
+
     logp, ids = du.draft_topk_logprobs(torch.randn(_BS, _DEPTH, _VOCAB, generator=gen), 3)
-    tree = du.build_tree_reference(logp, ids, _BUDGET)
+    tree = dr.build_tree_reference(logp, ids, _BUDGET)
     ct = du.compile_tree(tree, torch.tensor([7, 9]), prefix_lens, **compile_kw)
     cand = ct.draft_tokens.view(_BS, _BUDGET + 1)
     first_child = cand.gather(1, ct.retrieve_next_token.clamp(min=0))
@@ -235,11 +237,10 @@ def probe_verify() -> str:
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
     from sglang.srt.sampling.sampling_params import SamplingParams
-    from sglang.srt.speculative import dflash_info
     from sglang.srt.speculative import ddtree_utils as du
-
-    if not hasattr(dflash_info, "DDTreeVerifyInput"):
+    if not _has_module("sglang.srt.speculative.ddtree_info"):
         return "DDTreeVerifyInput not in this build: verify skipped"
+    from sglang.srt.speculative import ddtree_info
     gen = torch.Generator().manual_seed(0)
     bs, depth, vocab, budget, hid = _BS, _DEPTH, _VOCAB, _BUDGET, 3
     n = budget + 1
@@ -263,7 +264,7 @@ def probe_verify() -> str:
         seq_lens=seq_lens.clone(), seq_lens_cpu=seq_lens.clone(), seq_lens_sum=int(seq_lens.sum()),
         sampling_info=None, input_ids=None, out_cache_loc=None, batch_size=lambda: bs,
     )
-    vi = dflash_info.DDTreeVerifyInput(
+    vi = ddtree_info.DDTreeVerifyInput(
         draft_token=ct.draft_tokens, positions=ct.positions, draft_token_num=n, custom_mask=ct.custom_mask,
         retrieve_index=ct.retrieve_index, retrieve_next_token=ct.retrieve_next_token,
         retrieve_next_sibling=ct.retrieve_next_sibling, max_depth=depth,
@@ -305,7 +306,7 @@ def probe_round_v2() -> str:
     """One tiny greedy DDTREE round of the spec-v2 worker (0.5.16 builds) on the CPU.
 
     Real ReqToTokenPool, TokenToKVPoolAllocator and MHATokenToKVPool: the verify slots read
-    from req_to_token, the tree walk (ddtree_accept_greedy), the commit layout, and the KV move
+    from req_to_token, the tree walk (ddtree_utils.accept_tree_greedy), the commit layout, and the KV move
     of the accepted path both ways the worker makes it (one ddtree_utils.move_kv_rows over
     DDTreeWorkerV2._target_kv_rows, and the pool's own move_kv_cache through the staging
     slots): every committed slot of every layer must hold its path node's KV, and the
@@ -318,12 +319,6 @@ def probe_round_v2() -> str:
     from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
     from sglang.srt.speculative import ddtree_utils as du
-    from sglang.srt.speculative.ddtree_info_v2 import (
-        ddtree_accept_greedy,
-        ddtree_kv_move_locs,
-        ddtree_kv_path_locs,
-        ddtree_verify_slots,
-    )
     from sglang.srt.speculative.ddtree_worker_v2 import DDTreeWorkerV2
 
     bs, depth, budget, block = _BS, _DEPTH, _BUDGET, 8
@@ -338,9 +333,9 @@ def probe_round_v2() -> str:
     for b in range(bs):
         pool.write((int(rows[b]), slice(0, int(prefix[b]) + width)),
                    alloc.alloc(int(prefix[b]) + width).to(torch.int32))  # fmt: skip
-    slots = ddtree_verify_slots(pool.req_to_token, rows, prefix, width)
-    acc_idx, acc_len, bonus = ddtree_accept_greedy(cand, predict, torch.arange(bs * n).view(bs, n),
-                                                   ct.retrieve_next_token, ct.retrieve_next_sibling, depth)  # fmt: skip
+    slots = du.verify_slots(pool.req_to_token, rows, prefix, width)
+    acc_idx, acc_len, bonus = du.accept_tree_greedy(cand, predict, torch.arange(bs * n).view(bs, n),
+                                                    ct.retrieve_next_token, ct.retrieve_next_sibling, depth)  # fmt: skip
     ref = du.verify_greedy_reference(cand, ct.retrieve_next_token, ct.retrieve_next_sibling, predict, depth)
     out, commit, path = du.tree_commit_layout(acc_idx, acc_len, bonus, cand, block)
 
@@ -356,8 +351,8 @@ def probe_round_v2() -> str:
     kv_rows = DDTreeWorkerV2._target_kv_rows(worker)
     if not kv_rows:
         raise AssertionError("DDTreeWorkerV2._target_kv_rows refused a plain MHATokenToKVPool")
-    du.move_kv_rows(kv_rows, *ddtree_kv_path_locs(slots, path, n, depth))
-    for tgt, src in ddtree_kv_move_locs(slots, path, n, depth):
+    du.move_kv_rows(kv_rows, *du.kv_path_locs(slots, path, n, depth))
+    for tgt, src in du.kv_move_locs(slots, path, n, depth):
         kv[1].move_kv_cache(tgt, src)
     checks = {
         "walk": all(torch.equal(a, r) for a, r in zip((acc_idx, acc_len, bonus), ref)),

@@ -6,6 +6,7 @@ step succeeded, so `build/` never holds a half-applied tree. The output is byte-
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import fcntl
 import json
@@ -27,6 +28,8 @@ from .buildinfo import (
 )
 from .errors import ConfigError
 from .series import (
+    SHIPPED_FILES,
+    SHIPPED_MODULES,
     SHIPPED_UTILS,
     Entry,
     Series,
@@ -90,6 +93,61 @@ def prepare(inputs: Inputs) -> Prepared:
     return Prepared(inputs, manifest, series)
 
 
+def shipped_sources(inputs: Inputs) -> list[tuple[Path, str]]:
+    """(source, build path) of every module a build may ship: `inputs.ddtree_utils` and the
+    other SHIPPED_MODULES next to it."""
+    utils = Path(inputs.ddtree_utils)
+    return [
+        (utils if name == "ddtree_utils.py" else utils.parent / name, rel)
+        for name, rel in zip(SHIPPED_MODULES, SHIPPED_FILES)
+    ]
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Top-level module names a Python file imports by name (`import m`, `from pkg import m`,
+    `from pkg.m import x`, `from . import m`): what decides which SHIPPED_MODULES a build
+    ships. An unparsable file imports nothing here (gate 4 reports it)."""
+    try:
+        tree = ast.parse(path.read_bytes())
+    except (SyntaxError, ValueError):
+        return set()
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.name.rsplit(".", 1)[-1] for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.module:
+                names.add(node.module.rsplit(".", 1)[-1])
+            names.update(a.name for a in node.names)
+    return names
+
+
+def ship_modules(inputs: Inputs, dest: Path) -> list[str]:
+    """Copy ddtree_utils.py and exactly the other SHIPPED_MODULES that the assembled tree
+    imports (the patched files, and the shipped modules themselves) into `dest`. Returns the
+    build paths shipped."""
+    sources = {rel: source for source, rel in shipped_sources(inputs)}
+    stems = {rel: Path(rel).stem for rel in sources}
+    shipped: list[str] = []
+    todo = [SHIPPED_UTILS]
+    while todo:
+        rel = todo.pop(0)
+        source, target = sources[rel], Path(dest) / rel
+        if target.exists():
+            raise ConfigError(f"{rel} already exists after the series; it must come only from {source}")
+        if not source.is_file():
+            raise ConfigError(f"{source}: missing (the build imports it; it is shipped as {rel})")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source, target)
+        shipped.append(rel)
+        if len(shipped) == 1:  # after ddtree_utils.py: what the patched tree imports
+            imported = set().union(*(imported_modules(q) for q in Path(dest).rglob("*.py")))
+        else:
+            imported = imported_modules(target)
+        todo += [r for r, stem in stems.items() if stem in imported and r not in shipped and r not in todo]
+    return shipped
+
+
 def copy_snapshot(p: Prepared, dest: Path) -> None:
     for rel in sorted(p.manifest.files):
         target = Path(dest) / rel
@@ -113,13 +171,7 @@ def assemble(
         dest, p.series.entries if entries is None else entries, allow_offset=allow_offset, on_patch=on_patch
     )
     if with_utils:
-        target = Path(dest) / SHIPPED_UTILS
-        if target.exists():
-            raise ConfigError(
-                f"{SHIPPED_UTILS} already exists after the series; it must come only from {p.inputs.ddtree_utils}"
-            )
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(p.inputs.ddtree_utils, target)
+        ship_modules(p.inputs, Path(dest))
     return warnings
 
 

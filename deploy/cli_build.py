@@ -62,7 +62,7 @@ PatchesRoot = Annotated[Path, typer.Option("--patches-root", help="Where the pin
 BuildDir = Annotated[
     Path, typer.Option("--build-dir", help="Build root; the tree goes to <build-dir>/sglang-<version>/.")
 ]
-UtilsPath = Annotated[Path, typer.Option("--ddtree-utils", help="The ddtree_utils.py to ship.")]
+UtilsPath = Annotated[Path, typer.Option("--ddtree-utils", help="The ddtree_utils.py to ship (the sibling modules the build imports come from its folder).")]
 JsonOut = Annotated[bool, typer.Option("--json", help="Write a JSON report to stdout.")]
 Skip = Annotated[list[str] | None, typer.Option("--skip", help="Skip this gate (number or name; repeatable).")]
 Fresh = Annotated[bool, typer.Option("--fresh", help="Run every gate, even one whose inputs are unchanged since its last pass.")]

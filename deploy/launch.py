@@ -35,6 +35,8 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from ddtree_serving import DDTREE_MAX_BUDGET  # the server-args rule both pins apply
+
 from .errors import RemoteRefused
 
 if TYPE_CHECKING:  # deploy.inventory imports this module for its validators: no cycle at run time
@@ -46,7 +48,6 @@ DEFAULT_DDTREE_ARGS = "--speculative-algorithm DDTREE --speculative-ddtree-budge
 NO_ALGORITHM = "NONE"  # what the health gate expects when the flags name no algorithm
 ABS_PREFIX = "@abs"  # absolute target paths under files/, backup/ and pristine/
 SPEC_INFO = "srt/speculative/spec_info.py"
-DDTREE_MAX_BUDGET = 1023  # patches/*/0002-server-args-ddtree-flags.patch
 DDTREE_INT_FLAGS = {"--speculative-ddtree-budget": (1, DDTREE_MAX_BUDGET), "--speculative-ddtree-topk-cap": (1, None)}
 DDTREE_BOOL_FLAGS = ("--speculative-ddtree-allow-hybrid-unsafe", "--speculative-ddtree-debug-metrics")
 # characters that systemd's EnvironmentFile= / `$VAR` and sh's `.` / `$VAR` read the same way

@@ -22,7 +22,7 @@ from .build import Inputs, Prepared, assemble, prepare, tree_files
 from .buildinfo import MANIFEST_NAME, sha256_file
 from .errors import ConfigError, DDTreeDeployError, UsageError
 from .series import (
-    SHIPPED_UTILS,
+    SHIPPED_FILES,
     apply_series,
     diff_file,
     patch_files,
@@ -57,8 +57,10 @@ def refresh(inputs: Inputs, patch: str, *, add_files: list[str] = (), today: dt.
         raise ConfigError(f"no build at {build_dir}: run `ddtree-deploy patch` first, then edit its files")
     touched = [c.path for c in patch_files(entry.path)]
     extra = [check_relpath(f) for f in add_files]
-    if SHIPPED_UTILS in extra:
-        raise UsageError(f"{SHIPPED_UTILS} is shipped from ddtree_utils.py; it cannot be added to a patch")
+    for rel in extra:
+        if rel in SHIPPED_FILES:
+            name = rel.rsplit("/", 1)[1]
+            raise UsageError(f"{rel} is shipped from {name}; it cannot be added to a patch")
     for rel in extra:
         if not (build_dir / rel).is_file():
             raise UsageError(f"--add-file {rel}: not in the build tree {build_dir}")
@@ -70,7 +72,8 @@ def refresh(inputs: Inputs, patch: str, *, add_files: list[str] = (), today: dt.
         assemble(p, before, entries=p.series.entries[:idx], with_utils=False)
         shutil.copytree(build_dir, after)
         (after / MANIFEST_NAME).unlink(missing_ok=True)
-        (after / SHIPPED_UTILS).unlink(missing_ok=True)
+        for rel in SHIPPED_FILES:
+            (after / rel).unlink(missing_ok=True)
         try:
             apply_series(after, p.series.entries[idx + 1 :], reverse=True, allow_offset=True)
         except DDTreeDeployError as exc:

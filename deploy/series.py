@@ -27,6 +27,12 @@ FIELD_RE = re.compile(r"^([A-Za-z][A-Za-z0-9-]*):[ \t]*(.*)$")
 DIFF_START_RE = re.compile(r"^(diff |--- |Index: |---$)")
 REQUIRED = ("Description", "Origin", "Forwarded", "Last-Update")
 SHIPPED_UTILS = "srt/speculative/ddtree_utils.py"
+# The repository's top-level modules a build may ship into srt/speculative/: ddtree_utils.py
+# always, each other one when the patched tree (or a shipped module) imports it (build.ship_modules;
+# today both pins import ddtree_serving, and ddtree_utils imports ddtree_triton). The tests'
+# oracles, ddtree_reference.py, are never shipped.
+SHIPPED_MODULES = ("ddtree_utils.py", "ddtree_triton.py", "ddtree_serving.py")
+SHIPPED_FILES = tuple(f"srt/speculative/{m}" for m in SHIPPED_MODULES)
 
 
 @dataclass(frozen=True)
@@ -180,8 +186,9 @@ def patch_files(path: Path) -> list[FileChange]:
         rel = f.path
         if rel.startswith("/") or ".." in rel.split("/"):
             raise ConfigError(f"{path}: path {rel!r} leaves the sglang package")
-        if rel == SHIPPED_UTILS:
-            raise ConfigError(f"{path}: touches {SHIPPED_UTILS}; it is shipped from ddtree_utils.py, not from a patch")
+        if rel in SHIPPED_FILES:
+            name = rel.rsplit("/", 1)[1]
+            raise ConfigError(f"{path}: touches {rel}; it is shipped from {name}, not from a patch")
         changes.append(FileChange(rel, f.added, f.removed, f.is_added_file, f.is_removed_file))
     return changes
 

@@ -39,25 +39,25 @@ class Mutation:
 MUTATIONS = (
     Mutation(
         "buffer-fill-drops-last",
-        "ddtree_utils.py",
-        "                                tl.store(buf_row + at, s, mask=band)\n"
-        "                                n_buf += nb\n",
-        "                                tl.store(buf_row + at, s, mask=band)\n"
-        "                                n_buf += nb - 1\n",
+        "ddtree_triton.py",
+        "                            tl.store(buf_row + at, s, mask=band)\n"
+        "                            n_buf += nb\n",
+        "                            tl.store(buf_row + at, s, mask=band)\n"
+        "                            n_buf += nb - 1\n",
         ("tests/test_ddtree_utils_sampling.py::test_search_buffer_and_pivot_switch_keep_the_exact_sets",),
         "the sampling search's buffer loses the last value of its first copy",
     ),
     Mutation(
         "recompaction-halves-count",
-        "ddtree_utils.py",
-        "                        n_buf = n_keep\n",
-        "                        n_buf = n_keep // 2\n",
+        "ddtree_triton.py",
+        "                    n_buf = n_keep\n",
+        "                    n_buf = n_keep // 2\n",
         ("tests/test_ddtree_utils_sampling.py::test_search_buffer_and_pivot_switch_keep_the_exact_sets",),
         "the buffer's in-place re-compaction keeps half of what it should",
     ),
     Mutation(
         "recompaction-drops-upper-ties",
-        "ddtree_utils.py",
+        "ddtree_triton.py",
         "band = (sk >= lo) & (sk <= hi) & (idx < n_buf)",
         "band = (sk >= lo) & (sk < hi) & (idx < n_buf)",
         ("tests/test_ddtree_utils_sampling.py::test_search_buffer_recompaction_keeps_ties_at_the_upper_key",),
@@ -65,7 +65,7 @@ MUTATIONS = (
     ),
     Mutation(
         "draw-picks-next-column",
-        "ddtree_utils.py",
+        "ddtree_triton.py",
         "pick = tl.min(tl.where(keep & (run > target), cols, V), axis=0)",
         "pick = tl.min(tl.where(keep & (run > target), cols + 1, V), axis=0)",
         ("tests/test_ddtree_utils_sampling.py::test_kernel_draw_is_the_inverse_cdf_of_the_kept_mass",),
@@ -73,7 +73,7 @@ MUTATIONS = (
     ),
     Mutation(
         "draw-forgets-earlier-steps",
-        "ddtree_utils.py",
+        "ddtree_triton.py",
         "mass_before = tl.sum(tl.where(steps == j, cum - w_steps, 0.0), axis=0)",
         "mass_before = tl.sum(tl.where(steps == j, cum - w_steps, 0.0), axis=0) * 0.0",
         ("tests/test_ddtree_utils_sampling.py::test_kernel_draw_is_the_inverse_cdf_of_the_kept_mass",),

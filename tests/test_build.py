@@ -10,7 +10,7 @@ from ddtree_deploy.deploy import build as build_mod
 from ddtree_deploy.deploy.build import Inputs, build
 from ddtree_deploy.deploy.buildinfo import MANIFEST_NAME, compute_build_id, load_build
 from ddtree_deploy.deploy.errors import EXIT_PATCH, EXIT_SNAPSHOT, EXIT_USAGE
-from ddtree_deploy.deploy.series import SHIPPED_UTILS
+from ddtree_deploy.deploy.series import SHIPPED_FILES, SHIPPED_MODULES, SHIPPED_UTILS
 from foundation_support import REPO_ROOT, UPSTREAM, edit, error_lines, udiff
 
 MOD = "srt/speculative/mod.py"
@@ -178,6 +178,64 @@ def test_patch_may_not_ship_its_own_ddtree_utils(project):
     with pytest.raises(Exception, match="shipped from ddtree_utils.py"):
         build(project.inputs())
     assert not project.build_root.exists() or project.tree_bytes() == {}
+
+
+def _shipped(root) -> set[str]:
+    return {rel for rel in SHIPPED_FILES if (root / rel).is_file()}
+
+
+def test_a_build_ships_the_modules_its_tree_imports(project):
+    """ddtree_utils.py always; another SHIPPED_MODULES sibling only when a patched file, or a
+    module already shipped, imports it (closure); the tests' oracles never."""
+    side = project.utils.parent
+    for name in SHIPPED_MODULES[1:] + ("ddtree_reference.py",):
+        (side / name).write_text(f'"""Stand-in {name}."""\n')
+    build(project.inputs())
+    assert _shipped(project.build_dir) == {SHIPPED_UTILS}
+
+    project.add_patch(
+        "0001-use-serving.patch",
+        udiff("srt/speculative/user.py", None, "from sglang.srt.speculative import ddtree_serving\n"),
+    )
+    build(project.inputs())
+    serving = "srt/speculative/ddtree_serving.py"
+    assert _shipped(project.build_dir) == {SHIPPED_UTILS, serving}
+    assert (project.build_dir / serving).read_bytes() == (side / "ddtree_serving.py").read_bytes()
+
+    project.utils.write_text("try:\n    from . import ddtree_triton\nexcept ImportError:\n    pass\n")
+    build(project.inputs())
+    assert _shipped(project.build_dir) == set(SHIPPED_FILES)
+    assert not list(project.build_dir.rglob("ddtree_reference.py"))
+
+    (side / "ddtree_serving.py").unlink()
+    with pytest.raises(Exception, match="ddtree_serving.py: missing"):
+        build(project.inputs())
+
+
+def test_each_pin_ships_exactly_what_its_patches_import(tmp_path):
+    """For every pin of the repository: the shipped modules are ddtree_utils.py and the
+    siblings some other file of the build names in an import statement (a plain text scan
+    here, independent of the builder's AST reading); ddtree_reference.py is never shipped."""
+    import re
+
+    from ddtree_deploy.deploy import pins
+
+    for pin in pins.select(None):
+        dest = tmp_path / pin.version
+        dest.mkdir()
+        build_mod.assemble(build_mod.prepare(pin.inputs()), dest)
+        code = {
+            q: "\n".join(l for l in q.read_text().splitlines() if re.match(r"\s*(from|import)\s", l)
+                         or re.match(r"\s+ddtree_\w+,?$", l))
+            for q in dest.rglob("*.py")
+        }
+        want = {SHIPPED_UTILS} | {
+            rel for rel in SHIPPED_FILES
+            if any(re.search(rf"\b{rel.rsplit('/', 1)[1][:-3]}\b", text) for q, text in code.items()
+                   if not q.as_posix().endswith(rel))
+        }  # fmt: skip
+        assert _shipped(dest) == want, pin.version
+        assert not list(dest.rglob("ddtree_reference.py"))
 
 
 def test_real_repository_series_builds_and_reverses(tmp_path):

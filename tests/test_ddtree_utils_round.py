@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+import ddtree_reference as dr
 import ddtree_utils as du
 
 
@@ -15,7 +16,7 @@ def _random_round(seed: int, bs: int = 5, depth: int = 6, k: int = 3, budget: in
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(bs, depth, 40, generator=g)
     logp, ids = du.draft_topk_logprobs(logits, k, backend="torch")
-    tree = du.build_tree_reference(logp, ids, budget)
+    tree = dr.build_tree_reference(logp, ids, budget)
     bonus = torch.randint(0, 40, (bs,), generator=g)
     seq_lens = torch.randint(0, 30, (bs,), generator=g)
     ct = du.compile_tree(tree, bonus, seq_lens, build_custom_mask=False, max_depth=depth, backend="torch")
@@ -134,3 +135,40 @@ def test_kv_rows_refuses_rows_that_are_not_contiguous_and_bad_shapes():
         assert "must be [bs, K]" in str(e)
     else:
         raise AssertionError("mismatched shapes were accepted")
+
+
+def test_verify_slots_accept_and_kv_locations_of_a_round():
+    """The round pieces in the worker's order on random trees: verify_slots reads each request's
+    req_to_token row from its prefix; accept_tree_greedy without a kernel is the reference walk;
+    kv_path_locs moves the path's slots onto the committed ones, and kv_move_locs does the same
+    in two copies through the staging slots, each copy with disjoint targets and sources."""
+    for seed in range(6):
+        _, ct, cand, predict, seq_lens, depth = _random_round(seed)
+        bs, n = cand.shape
+        width = n + depth + 1
+        g = torch.Generator().manual_seed(100 + seed)
+        req_to_token = torch.randperm(64 * 128, generator=g).view(64, 128).to(torch.int32)
+        rows = torch.randperm(64, generator=g)[:bs]
+        slots = du.verify_slots(req_to_token, rows, seq_lens, width)
+        for b in range(bs):
+            p = int(seq_lens[b])
+            assert slots[b].tolist() == req_to_token[rows[b], p : p + width].tolist()
+        index = torch.arange(bs * n).view(bs, n)
+        got = du.accept_tree_greedy(cand, predict, index, ct.retrieve_next_token, ct.retrieve_next_sibling, depth)
+        want = du.verify_greedy_reference(cand, ct.retrieve_next_token, ct.retrieve_next_sibling, predict, depth)
+        assert all(torch.equal(a, w) for a, w in zip(got, want))
+        _, commit, path = du.tree_commit_layout(*got, cand, depth + 1)
+        kv = torch.full((64 * 128,), -1, dtype=torch.int64)
+        for b in range(bs):
+            kv[slots[b, :n]] = b * 1000 + torch.arange(n)
+        one = kv.clone()
+        tgt, src = du.kv_path_locs(slots, path, n, depth)
+        one[tgt.reshape(-1)] = kv[src.reshape(-1)]  # all reads before the writes (move_kv_rows)
+        two = kv.clone()
+        for tgt2, src2 in du.kv_move_locs(slots, path, n, depth):
+            assert not set(tgt2.tolist()) & set(src2.tolist())
+            two[tgt2] = two[src2].clone()
+        for b in range(bs):
+            c = int(commit[b])
+            expect = [b * 1000 + int(j) for j in got[0][b, :c]]
+            assert one[slots[b, :c]].tolist() == expect and two[slots[b, :c]].tolist() == expect

@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import os as _os
 import subprocess
 import sys
 import textwrap
@@ -23,8 +24,6 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-import os as _os
-
 # The Triton interpreter at V = 151936 did not finish within 20 min on a 2-core CPU; on CUDA the
 # same kept sets are checked by tests/gpu/test_sampling_cuda.py. Opt in with DDTREE_RUN_INTERP_FULL_VOCAB=1.
 _INTERP_FULL_VOCAB = pytest.mark.skipif(
@@ -32,6 +31,7 @@ _INTERP_FULL_VOCAB = pytest.mark.skipif(
     reason="Triton interpreter at full vocabulary is too slow on CPU (GPU test covers it)",
 )
 
+import ddtree_reference as dr
 import ddtree_utils as du
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -106,7 +106,7 @@ def test_reference_matches_sglang_sampler(case):
     """The dense reference is SGLang's plain sampler's distribution (chi-square, 30k draws)."""
     temp, top_k, top_p, min_p = case
     x = row_logits(hash(case) % 1000)
-    want = du.target_probs_from_logits(x.unsqueeze(0), temp, top_k, top_p, min_p)[0]
+    want = dr.target_probs_from_logits(x.unsqueeze(0), temp, top_k, top_p, min_p)[0]
     draws = sglang_draws(x, temp, top_k, top_p, min_p, 30000, seed=1)
     counts = torch.bincount(draws, minlength=x.numel())
     assert fits(counts, want) > 1e-3
@@ -123,7 +123,7 @@ def test_sampler_matches_reference(case):
     tests/gpu/test_sampling_cuda.py::test_distribution_matches_reference."""
     temp, top_k, top_p, min_p = case
     x = row_logits(hash(case) % 1000)
-    want = du.target_probs_from_logits(x.unsqueeze(0), temp, top_k, top_p, min_p)[0]
+    want = dr.target_probs_from_logits(x.unsqueeze(0), temp, top_k, top_p, min_p)[0]
     draws = ours(x, temp, top_k, top_p, min_p, 30000, seed=2, backend="torch")
     counts = torch.bincount(draws, minlength=x.numel())
     assert fits(counts, want) > 1e-3
@@ -170,7 +170,7 @@ def test_kernel_draw_is_the_inverse_cdf_of_the_kept_mass(vocab):
     token = du.sample_from_logits(x, temp.float(), top_k, top_p.float(), min_p.float(),
                                   generator=torch.Generator().manual_seed(seed), backend="triton")  # fmt: skip
     u = reference_uniforms(seed, rows)
-    want = du.target_probs_from_logits(x, temp.float(), top_k, top_p.float(), min_p.float())
+    want = dr.target_probs_from_logits(x, temp.float(), top_k, top_p.float(), min_p.float())
     s = (x / temp.float().view(rows, 1)).double()
     w = torch.where(want > 0, torch.exp(s - s.amax(-1, keepdim=True)), 0.0)  # kept mass, float64
     cum = w.cumsum(-1)
@@ -216,7 +216,7 @@ def test_joint_rule_is_not_top_k_then_top_p():
     """top-p counts the mass on the original distribution (joint), not after top-k renormalising:
     the two orders keep different sets here, and SGLang's sampler keeps the joint one."""
     x = torch.log(torch.tensor([0.4, 0.3, 0.2, 0.1]))
-    joint = du.target_probs_from_logits(x.unsqueeze(0), 1.0, 2, 0.5)[0]
+    joint = dr.target_probs_from_logits(x.unsqueeze(0), 1.0, 2, 0.5)[0]
     # sequential would renormalise the top-2 (0.4/0.7 = 0.57 >= 0.5) and keep only token 0
     assert (joint > 0).tolist() == [True, True, False, False]
     draws = sglang_draws(x, 1.0, 2, 0.5, 0.0, 4000, seed=5)
@@ -251,7 +251,7 @@ def test_kept_sets_exact_with_ties(backend):
     top_k = torch.randint(-1, 12, (rows,), generator=gen).int()  # -1 and 0: no limit
     top_p = torch.where(torch.rand(rows, generator=gen) < 0.3, 1.0, torch.rand(rows, generator=gen))
     min_p = torch.where(torch.rand(rows, generator=gen) < 0.7, 0.0, torch.rand(rows, generator=gen) * 0.5)
-    ref = du.target_probs_from_logits(x, temp, top_k, top_p, min_p) > 0
+    ref = dr.target_probs_from_logits(x, temp, top_k, top_p, min_p) > 0
     _, thr = du._sample_with_threshold(x, temp, top_k, top_p, min_p, None, backend)
     greedy = top_k == 1
     s = x / torch.where(greedy, 1.0, temp).view(rows, 1)
@@ -301,7 +301,7 @@ def test_top_p_boundary_rows_exact(backend):
     x, temp, top_p, margin = top_p_boundary_rows(rows, vocab, seed=29)
     assert float(margin.max()) < 1e-9
     top_k = torch.where(torch.arange(rows) % 2 == 0, TOP_K_ALL, vocab - 1)  # joint rule too
-    ref = du.target_probs_from_logits(x, temp, top_k, top_p) > 0
+    ref = dr.target_probs_from_logits(x, temp, top_k, top_p) > 0
     s = x / temp.view(rows, 1)
     for r in range(rows):
         assert ref[r].tolist() == brute_kept(s[r].tolist(), int(top_k[r]), float(top_p[r]), 0.0), r
@@ -354,7 +354,7 @@ def test_top_p_boundary_ties_exact(backend):
         want[r, c[3]] = True
         s = (x[r] / temp[r]).tolist()
         assert want[r].tolist() == brute_kept(s, c[1], float(top_p[r]), 0.0), c
-    assert torch.equal(du.target_probs_from_logits(x, temp, top_k, top_p) > 0, want)
+    assert torch.equal(dr.target_probs_from_logits(x, temp, top_k, top_p) > 0, want)
     assert torch.equal(kept_sets(x, temp, top_k, top_p, None, backend), want)
 
 
@@ -372,7 +372,7 @@ def test_kernel_without_search_matches_the_search_kernel():
     temp = torch.rand(rows, generator=gen) + 0.5
     min_p = torch.where(torch.arange(rows) % 2 == 0, 0.0, 0.1)
     no_k, no_p = torch.full((rows,), TOP_K_ALL), torch.ones(rows)
-    ref = du.target_probs_from_logits(x, temp, None, None, min_p) > 0
+    ref = dr.target_probs_from_logits(x, temp, None, None, min_p) > 0
     for flag in (True, False):
         assert torch.equal(kept_sets(x, temp, no_k, no_p, min_p, "triton", any_top_k_top_p=flag), ref)
     draws = [
@@ -409,7 +409,7 @@ def test_search_buffer_and_pivot_switch_keep_the_exact_sets(vocab):
     # the rule's set {s >= t} by the torch path (radix select); on the tokens with a float64
     # probability above 0 it is the dense reference's (which drops the -1e30 ones: p = 0)
     ref = s >= du._sample_with_threshold(x, temp, top_k, top_p, None, None, "torch")[1].view(rows, 1)
-    dense = du.target_probs_from_logits(x, temp, top_k, top_p) > 0
+    dense = dr.target_probs_from_logits(x, temp, top_k, top_p) > 0
     assert torch.equal(ref & (torch.softmax(s.double(), dim=1) > 0), dense)
     params = du._sampling_rows(rows, vocab, x.device, temp, top_k, top_p, None)
     assert du._sample_buffer_cap(vocab, du._sample_blocks(vocab)[1]) < vocab
@@ -448,7 +448,7 @@ def test_greedy_rows_give_the_first_argmax():
             )  # fmt: skip
             assert tok[[0, 1, 2, 4]].tolist() == [1, 1, 1, 3]
             assert tok[5].item() == 3  # T = 1e-3 is not greedy, but 5 / 1e-3 dominates
-    probs = du.target_probs_from_logits(x, temp, top_k, 1.0)
+    probs = dr.target_probs_from_logits(x, temp, top_k, 1.0)
     assert probs[[0, 1, 2, 4]].argmax(-1).tolist() == [1, 1, 1, 3]
     assert torch.equal(probs[[0, 1, 2, 4]].sum(-1), torch.ones(4))
 
@@ -460,12 +460,12 @@ def test_top_p_one_keeps_every_token_at_full_vocab(backend):
     vocab = 151936
     gen = torch.Generator().manual_seed(13)
     x = torch.randn(2, vocab, generator=gen)
-    probs = du.target_probs_from_logits(x, 0.7, None, 1.0)
+    probs = dr.target_probs_from_logits(x, 0.7, None, 1.0)
     assert bool((probs > 0).all())
     want = torch.softmax(x.double() / 0.7, dim=-1)
     assert torch.allclose(probs.double(), want, rtol=1e-5, atol=0)
     # top_p strictly below 1 does cut the tail on the same rows (the test has power)
-    assert bool((du.target_probs_from_logits(x, 0.7, None, 0.999) == 0).any())
+    assert bool((dr.target_probs_from_logits(x, 0.7, None, 0.999) == 0).any())
     temp = torch.full((2,), 0.7)
     _, thr = du._sample_with_threshold(x, temp, TOP_K_ALL, 1.0, None, None, backend)
     assert bool((thr <= (x / 0.7).amin(dim=1)).all())
@@ -479,7 +479,7 @@ def test_flat_row_kept_set_at_full_vocab(backend):
     vocab = 151936
     x = torch.randn(1, vocab, generator=torch.Generator().manual_seed(17))
     args = (torch.tensor([0.7]), TOP_K_ALL, 0.9, None, None)
-    ref = (du.target_probs_from_logits(x, *args[:3]) > 0)[0]
+    ref = (dr.target_probs_from_logits(x, *args[:3]) > 0)[0]
     s = x[0] / 0.7
     _, thr = du._sample_with_threshold(x, *args, backend)
     assert torch.equal(s >= thr[0], ref)
@@ -639,7 +639,7 @@ def run_tree_round(roots, lp, ids, budget, logits_of_token, params, gen):
     samples = du.sample_tree_targets(
         logits, temp, top_k.int(), top_p, min_p, budget + 1, generator=gen, backend="torch"
     )
-    acc, acc_len, bonus = du.verify_sampling_reference(
+    acc, acc_len, bonus = dr.verify_sampling_reference(
         cand, ct.retrieve_next_token, ct.retrieve_next_sibling, None, lp.shape[1], samples=samples
     )
     return cand, acc, acc_len, bonus
@@ -654,7 +654,7 @@ def test_tree_walk_with_samples_is_lossless():
     gen = torch.Generator().manual_seed(29)
     logits_of_token = torch.randn(vocab, vocab, generator=gen) * 1.2
     params = (0.8, 4, 0.9, 0.05)
-    filt = du.target_probs_from_logits(logits_of_token, *params)  # [vocab, vocab] rows = context
+    filt = dr.target_probs_from_logits(logits_of_token, *params)  # [vocab, vocab] rows = context
     # the drafter follows the target's own most likely chain (top-2 per position), so the tree
     # holds accepted depth-2 paths and also misses tokens at the root: both walks are exercised
     chain = [0]
@@ -708,7 +708,7 @@ def test_search_buffer_recompaction_keeps_ties_at_the_upper_key():
     top_p = torch.full((rows,), 0.005)
     s = x / temp.view(rows, 1)
     want = s >= s.max(dim=1, keepdim=True).values  # the ties alone hold more than top_p
-    assert torch.equal(du.target_probs_from_logits(x, temp, top_k, top_p) > 0, want)
+    assert torch.equal(dr.target_probs_from_logits(x, temp, top_k, top_p) > 0, want)
     params = du._sampling_rows(rows, vocab, x.device, temp, top_k, top_p, None)
     assert du._sample_buffer_cap(vocab, du._sample_blocks(vocab)[1]) >= 1010  # the bracket fits
     _, thr = du._sample_rows_triton(x, *params, torch.Generator().manual_seed(3), True)

@@ -13,6 +13,7 @@ import torch
 from test_ddtree_utils_round import _kv_move_case
 from test_ddtree_utils_tree_attention import _case as attention_case
 
+import ddtree_reference as dr
 import ddtree_utils as du
 
 pytest.importorskip("triton")
@@ -83,6 +84,6 @@ def test_tree_attention_kernels():
     """_tree_attn_prefix_kernel + _tree_attn_tree_kernel equal the float32 reference (one
     request with a prefix over two splits, one without)."""
     args = attention_case(4, plens=(0, 20), n=4, hq=2, hkv=1, d=16, dtype=torch.float32)
-    want = du.tree_verify_attention_reference(*args, 4, 0.3)
+    want = dr.tree_verify_attention_reference(*args, 4, 0.3)
     got = du.tree_verify_attention(*args, 4, 0.3, splits=2)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

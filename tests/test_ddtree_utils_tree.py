@@ -10,6 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import ddtree_reference as dr
 import ddtree_utils as du
 
 NEG_INF = float("-inf")
@@ -89,7 +90,7 @@ def test_builders_equal_brute_force(
 ):
     lp, ids = random_inputs(seed, bs, depth, vocab, k, levels, p_ninf)
     valid = torch.tensor([not (invalid_mask >> b) & 1 for b in range(bs)])
-    ref = du.build_tree_reference(lp, ids, budget, valid=valid, topk_cap=cap)
+    ref = dr.build_tree_reference(lp, ids, budget, valid=valid, topk_cap=cap)
     fast = du.build_tree(lp, ids, budget, valid=valid, topk_cap=cap)
     assert_tree_matches_brute(ref, lp, ids, budget, valid.tolist(), cap)
     for name, a, b in zip(ref._fields, ref, fast):
@@ -105,7 +106,7 @@ def test_batched_equals_reference_realistic(budget, levels):
     logits = torch.randint(0, levels, (6, 15, 300), generator=gen).float() / levels * 8
     lp, ids = du.draft_topk_logprobs(logits, budget)
     valid = torch.tensor([True, True, False, True, True, True])
-    ref = du.build_tree_reference(lp, ids, budget, valid=valid, topk_cap=None)
+    ref = dr.build_tree_reference(lp, ids, budget, valid=valid, topk_cap=None)
     fast = du.build_tree(lp, ids, budget, valid=valid)
     for name, a, b in zip(ref._fields, ref, fast):
         assert torch.equal(a, b), name
@@ -116,7 +117,7 @@ def test_probability_one_parents_first():
     """V = 1: every prefix has probability 1; the chain must be listed root-to-leaf."""
     lp, ids = du.draft_topk_logprobs(torch.zeros(2, 5, 1), 4)
     assert torch.equal(lp, torch.zeros(2, 5, 1))
-    for build in (du.build_tree_reference, du.build_tree):
+    for build in (dr.build_tree_reference, du.build_tree):
         tree = build(lp, ids, 8)
         assert tree.node_valid[:, :5].all() and not tree.node_valid[:, 5:].any()
         assert tree.depth[0, :5].tolist() == [1, 2, 3, 4, 5]
@@ -126,7 +127,7 @@ def test_probability_one_parents_first():
 def test_budget_one_is_the_argmax_token():
     logits = torch.randn(4, 6, 50, generator=torch.Generator().manual_seed(3))
     lp, ids = du.draft_topk_logprobs(logits, 1)
-    for build in (du.build_tree_reference, du.build_tree):
+    for build in (dr.build_tree_reference, du.build_tree):
         tree = build(lp, ids, 1)
         assert torch.equal(tree.tokens[:, 0], logits[:, 0].argmax(-1))
         assert tree.parents.eq(0).all() and tree.depth.eq(1).all()
@@ -137,7 +138,7 @@ def test_budget_beyond_existing_prefixes():
     logits = torch.tensor([[[0.3, -0.2], [1.0, 0.1]]])
     lp, ids = du.draft_topk_logprobs(logits, 5)  # K > V
     assert lp.shape == (1, 2, 2)
-    for build in (du.build_tree_reference, du.build_tree):
+    for build in (dr.build_tree_reference, du.build_tree):
         tree = build(lp, ids, 10)
         assert tree.node_valid.sum() == 6
         tok, par, dep = (
@@ -155,7 +156,7 @@ def test_budget_beyond_existing_prefixes():
 def test_all_rows_invalid_and_empty_batch():
     lp, ids = du.draft_topk_logprobs(torch.randn(3, 4, 10), 4)
     valid = torch.zeros(3, dtype=torch.bool)
-    for build in (du.build_tree_reference, du.build_tree):
+    for build in (dr.build_tree_reference, du.build_tree):
         tree = build(lp, ids, 7, valid=valid)
         assert not tree.node_valid.any() and torch.isneginf(tree.score).all()
         assert (
@@ -175,7 +176,7 @@ def test_dtypes(id_dtype, logit_dtype):
     )
     lp, ids = du.draft_topk_logprobs(logits, 8)
     assert lp.dtype == torch.float32 and ids.dtype == torch.int64
-    ref = du.build_tree_reference(lp, ids.to(id_dtype), 20)
+    ref = dr.build_tree_reference(lp, ids.to(id_dtype), 20)
     fast = du.build_tree(lp, ids.to(id_dtype), 20)
     for a, b in zip(ref, fast):
         assert torch.equal(a, b)
@@ -185,14 +186,14 @@ def test_dtypes(id_dtype, logit_dtype):
 def test_reference_rejects_bad_inputs():
     lp, ids = du.draft_topk_logprobs(torch.randn(1, 3, 10), 4)
     with pytest.raises(ValueError, match="log-probabilities"):
-        du.build_tree_reference(lp.abs(), ids, 4)
+        dr.build_tree_reference(lp.abs(), ids, 4)
     with pytest.raises(ValueError, match="sorted"):
-        du.build_tree_reference(lp.flip(-1), ids, 4)
+        dr.build_tree_reference(lp.flip(-1), ids, 4)
     bad = lp.clone()
     bad[0, 1, 2] = math.nan
     with pytest.raises(ValueError, match="NaN"):
-        du.build_tree_reference(bad, ids, 4)
-    for build in (du.build_tree_reference, du.build_tree):
+        dr.build_tree_reference(bad, ids, 4)
+    for build in (dr.build_tree_reference, du.build_tree):
         with pytest.raises(ValueError, match="budget"):
             build(lp, ids, 0)
         with pytest.raises(ValueError, match="topk_cap"):
@@ -212,7 +213,7 @@ def test_beam_selection_variants_equal_reference(method, monkeypatch):
             seed, 3, depth, vocab, 8, 1 + seed % 4, 0.2 * (seed % 3)
         )
         valid = torch.rand(3, generator=gen) > 0.2
-        ref = du.build_tree_reference(lp, ids, budget, valid=valid)
+        ref = dr.build_tree_reference(lp, ids, budget, valid=valid)
         fast = du.build_tree(lp, ids, budget, valid=valid)
         for name, a, b in zip(ref._fields, ref, fast):
             assert torch.equal(a, b), (seed, name)

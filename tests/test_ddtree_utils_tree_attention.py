@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import ddtree_reference as dr
 import ddtree_utils as du
 
 
@@ -26,7 +27,7 @@ def _case(seed, *, plens, n, hq, hkv, d, dtype, tree_from_ddtree=True):
     if tree_from_ddtree and n > 1:  # a real ancestor mask: a DDTree from random draft logits
         logits = torch.randn(bs, min(n - 1, 6), 9, generator=g) * 3
         lp, ids = du.draft_topk_logprobs(logits, 4, backend="torch")
-        tree = du.build_tree_reference(lp, ids, n - 1)
+        tree = dr.build_tree_reference(lp, ids, n - 1)
         zeros = torch.zeros(bs, dtype=torch.int64)
         tree_mask = du.compile_tree(tree, zeros, zeros, backend="torch").tree_mask
     else:
@@ -50,7 +51,7 @@ def _case(seed, *, plens, n, hq, hkv, d, dtype, tree_from_ddtree=True):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_tree_verify_attention_equals_the_reference(plens, n, hq, hkv, d, splits, dtype):
     args = _case(sum(plens) + n, plens=plens, n=n, hq=hq, hkv=hkv, d=d, dtype=dtype)
-    want = du.tree_verify_attention_reference(*args, n, 0.37)
+    want = dr.tree_verify_attention_reference(*args, n, 0.37)
     got = du.tree_verify_attention(*args, n, 0.37, splits=splits)
     assert got.dtype == dtype and got.shape == want.shape
     tol = 1e-5 if dtype == torch.float32 else 2e-3

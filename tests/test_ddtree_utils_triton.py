@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_ddtree_utils_tree import TREE_CASES, assert_tree_matches_brute, random_inputs
 
+import ddtree_reference as dr
 import ddtree_utils as du
 
 triton = pytest.importorskip("triton")
@@ -56,7 +57,7 @@ def test_kernels_equal_brute_force_and_reference(
     valid = torch.tensor([not (invalid_mask >> b) & 1 for b in range(bs)])
     got = du.build_tree(lp, ids, budget, valid=valid, topk_cap=cap, backend="triton")
     assert_tree_matches_brute(got, lp, ids, budget, valid.tolist(), cap)
-    ref = du.build_tree_reference(lp, ids, budget, valid=valid, topk_cap=cap)
+    ref = dr.build_tree_reference(lp, ids, budget, valid=valid, topk_cap=cap)
     assert_same(ref, got, "build")
     check_compile(got, depth, seed)
 
@@ -69,7 +70,7 @@ def test_kernels_realistic_shape(budget, k, levels):
     lp, ids = du.draft_topk_logprobs(logits, k)
     valid = torch.tensor([True, False])
     got = du.build_tree(lp, ids, budget, valid=valid, backend="triton")
-    assert_same(du.build_tree_reference(lp, ids, budget, valid=valid), got, "build")
+    assert_same(dr.build_tree_reference(lp, ids, budget, valid=valid), got, "build")
     check_compile(got, 15, budget)
 
 
@@ -81,7 +82,7 @@ def test_kernel_pruned_grid_covers_the_threshold():
     ids = torch.arange(16).view(1, 2, 8)
     for budget in (3, 8, 12, 20):
         got = du.build_tree(lp, ids, budget, backend="triton")
-        assert_same(du.build_tree_reference(lp, ids, budget), got, f"B={budget}")
+        assert_same(dr.build_tree_reference(lp, ids, budget), got, f"B={budget}")
 
 
 def test_backend_choice(monkeypatch):
@@ -96,7 +97,7 @@ def test_backend_choice(monkeypatch):
     monkeypatch.setattr(du, "_build_tree_triton", no_kernel)
     monkeypatch.setattr(du, "_compile_tree_triton", no_kernel)
     tree = du.build_tree(lp, ids, 4)
-    assert_same(du.build_tree_reference(lp, ids, 4), tree)
+    assert_same(dr.build_tree_reference(lp, ids, 4), tree)
     du.compile_tree(
         tree, torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
     )

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
 
+import ddtree_reference as dr
 import ddtree_utils as du
 
 
@@ -106,7 +107,7 @@ def run_round(roots: torch.Tensor, lp, ids, budget, trans, gen):
     probs = trans[
         cand
     ]  # the target's conditional at every node depends on the node's token
-    acc, acc_len, bonus = du.verify_sampling_reference(
+    acc, acc_len, bonus = dr.verify_sampling_reference(
         cand, ct.retrieve_next_token, ct.retrieve_next_sibling, probs, lp.shape[1], gen
     )
     return cand, acc, acc_len, bonus
@@ -185,7 +186,7 @@ def test_target_probs_from_logits():
     top_k = torch.tensor([0, 3, 0, 5])
     top_p = torch.tensor([1.0, 1.0, 0.6, 0.8])
     # row 3 sets both: the joint rule (top-p on the unrenormalised mass)
-    probs = du.target_probs_from_logits(logits, temp, top_k, top_p)
+    probs = dr.target_probs_from_logits(logits, temp, top_k, top_p)
     assert probs.shape == logits.shape and probs.dtype == torch.float32
     for b in range(4):
         for i in range(3):
@@ -193,7 +194,7 @@ def test_target_probs_from_logits():
                 logits[b, i].tolist(), float(temp[b]), int(top_k[b]), float(top_p[b])
             )
             assert torch.allclose(probs[b, i], torch.tensor(want), atol=1e-6)
-    flat = du.target_probs_from_logits(logits[:, 0], 1.0)
+    flat = dr.target_probs_from_logits(logits[:, 0], 1.0)
     assert torch.allclose(flat, torch.softmax(logits[:, 0], -1))
 
 
@@ -241,7 +242,7 @@ def test_tree_metrics():
     lp, ids = du.draft_topk_logprobs(torch.randn(3, 5, 4, generator=gen), 4)
     tree = du.build_tree(lp, ids, 10, valid=torch.tensor([True, False, True]))
     accept_len = torch.tensor([2, 0, 5])
-    m = du.tree_metrics(tree, accept_len)
+    m = dr.tree_metrics(tree, accept_len)
     assert m["requests"] == 3
     assert m["mean_nodes"] == pytest.approx(tree.node_valid.sum().item() / 3)
     assert (
@@ -264,12 +265,12 @@ def test_empty_batch_verify_and_plan():
     z = torch.zeros(0, 5, dtype=torch.int64)
     acc, acc_len, bonus = du.verify_greedy_reference(z, z, z, z, 4)
     assert acc.shape == (0, 5) and acc_len.shape == bonus.shape == (0,)
-    acc, acc_len, bonus = du.verify_sampling_reference(z, z, z, torch.zeros(0, 5, 3), 4)
+    acc, acc_len, bonus = dr.verify_sampling_reference(z, z, z, torch.zeros(0, 5, 3), 4)
     assert acc.shape == (0, 5)
     plan = du.accept_plan(acc, acc_len, torch.zeros(0, dtype=torch.int64))
     assert plan.keep_slots.numel() == 0 and plan.free_mask.numel() == 0
     assert (
-        du.tree_metrics(
+        dr.tree_metrics(
             du.build_tree(
                 torch.zeros(0, 2, 2), torch.zeros(0, 2, 2, dtype=torch.int64), 3
             )
@@ -282,7 +283,7 @@ def test_target_probs_top_p_counts_the_unrenormalised_mass():
     # probs 0.4/0.3/0.2/0.1, top_k=2, top_p=0.5: the joint rule keeps token 1 (0.4 < 0.5 lies
     # above it); top-k-then-renormalise (4/7 >= 0.5) would keep token 0 only
     logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1]]))
-    probs = du.target_probs_from_logits(logits, 1.0, 2, 0.5)
+    probs = dr.target_probs_from_logits(logits, 1.0, 2, 0.5)
     want = torch.tensor(python_filter(logits[0].tolist(), 1.0, 2, 0.5)).unsqueeze(0)
     assert torch.allclose(probs, want, atol=1e-6)
     assert (probs[0] > 0).tolist() == [True, True, False, False]

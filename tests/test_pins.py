@@ -300,7 +300,7 @@ def test_gate_6_uses_the_sglang_of_the_pin(tmp_path, ddtree):
     assert "the build is for 0.5.16" in proc.stdout
 
     # a 0.5.16 build whose KV move reads the wrong verify slot fails the round probe
-    info = bdir / "srt/speculative/ddtree_info_v2.py"
+    info = bdir / "srt/speculative/ddtree_utils.py"  # kv_path_locs, the round pieces' home
     text = info.read_text()
     good = "    return slots[:, :k], slots[:, :n].gather(1, path[:, :k].to(torch.int64))\n"
     assert good in text

@@ -33,7 +33,7 @@ def test_replay_ends_on_the_rules_threshold(top_k, top_p):
     x[3, :5] = -1e30  # far outliers below
     temp = 0.7
     s = (x / temp).numpy().astype(np.float32)
-    src = (ROOT / "ddtree_utils.py").read_text()
+    src = (ROOT / "ddtree_utils.py").read_text() + (ROOT / "ddtree_triton.py").read_text()
     _, thr = du._sample_with_threshold(x, temp, top_k, top_p, None, None, "torch")
     for r in range(rows):
         counts, got = model.replay(du, src, s[r], top_k, top_p)

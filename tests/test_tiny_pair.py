@@ -182,6 +182,7 @@ def test_drafter_loads_into_sglang_dflash_draft_model(pair):
 def test_offline_tree_acceptance_equals_brute_force():
     """tree_accepted_depth: the longest prefix of the target's tokens that is a root path of the
     tree, checked against the set of all node paths built from parents, on random trees."""
+    import ddtree_reference as dr
     import ddtree_utils as du
 
     g = torch.Generator().manual_seed(7)
@@ -195,7 +196,7 @@ def test_offline_tree_acceptance_equals_brute_force():
         for d in range(int(follow[r])):
             truth[r, d] = ids[r, d, int(torch.randint(0, 2, (1,), generator=g))]
     for budget in (1, 5, 17):
-        tree = du.build_tree_reference(lp, ids, budget)
+        tree = dr.build_tree_reference(lp, ids, budget)
         got = ttp.tree_accepted_depth(tree, truth)
         for r in range(n):
             paths = {(): True}

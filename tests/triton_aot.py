@@ -16,6 +16,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import ddtree_triton as dt  # noqa: E402
 import ddtree_utils as du  # noqa: E402
 
 
@@ -102,26 +103,26 @@ KV_MOVE = {"ptrs_ptr": "*i64", "row_bytes_ptr": "*i64", "tgt_ptr": "*i64", "src_
 CASES = [
     # (kernel, argument types, constexprs, warps): the block sizes the wrappers pick for B = 1, 15,
     # 63 and 1023 (K = 16, L = 15), and the normaliser's chunk sizes
-    (du._ddtree_build_kernel, BUILD, {"BB": 2, "LB": 2, "PB": 2, "LOGK": 1}, 4),
-    (du._ddtree_build_kernel, BUILD, {"BB": 16, "LB": 16, "PB": 64, "LOGK": 5}, 4),
-    (du._ddtree_build_kernel, BUILD, {"BB": 64, "LB": 16, "PB": 256, "LOGK": 5}, 4),
-    (du._ddtree_build_kernel, BUILD, {"BB": 1024, "LB": 16, "PB": 8192, "LOGK": 5}, 16),
-    (du._ddtree_compile_kernel, COMPILE, {"NB": 2, "DB": 2, "RB": 2}, 4),
-    (du._ddtree_compile_kernel, COMPILE, {"NB": 64, "DB": 16, "RB": 64}, 4),
-    (du._ddtree_compile_kernel, COMPILE, {"NB": 1024, "DB": 16, "RB": 8}, 16),
-    (du._sumexp_partial_kernel, SUMEXP, {"CHUNK": 128}, 8),
-    (du._sumexp_partial_kernel, SUMEXP, {"CHUNK": 8192}, 8),
+    (dt.ddtree_build_kernel, BUILD, {"BB": 2, "LB": 2, "PB": 2, "LOGK": 1}, 4),
+    (dt.ddtree_build_kernel, BUILD, {"BB": 16, "LB": 16, "PB": 64, "LOGK": 5}, 4),
+    (dt.ddtree_build_kernel, BUILD, {"BB": 64, "LB": 16, "PB": 256, "LOGK": 5}, 4),
+    (dt.ddtree_build_kernel, BUILD, {"BB": 1024, "LB": 16, "PB": 8192, "LOGK": 5}, 16),
+    (dt.ddtree_compile_kernel, COMPILE, {"NB": 2, "DB": 2, "RB": 2}, 4),
+    (dt.ddtree_compile_kernel, COMPILE, {"NB": 64, "DB": 16, "RB": 64}, 4),
+    (dt.ddtree_compile_kernel, COMPILE, {"NB": 1024, "DB": 16, "RB": 8}, 16),
+    (dt.sumexp_partial_kernel, SUMEXP, {"CHUNK": 128}, 8),
+    (dt.sumexp_partial_kernel, SUMEXP, {"CHUNK": 8192}, 8),
     # the target sampler as sample_from_logits launches it at V >= 1024, fp32 and bf16 logits,
     # with the threshold search and compiled without it (no row with top-k / top-p)
-    (du._sample_rows_kernel, SAMPLE, SAMPLE_CONSTS, SAMPLE_OPTS),
-    (du._sample_rows_kernel, {**SAMPLE, "x_ptr": "*bf16"}, SAMPLE_CONSTS, SAMPLE_OPTS),
-    (du._sample_rows_kernel, SAMPLE, SAMPLE_NO_SEARCH, du._sample_launch_options(False)),
+    (dt.sample_rows_kernel, SAMPLE, SAMPLE_CONSTS, SAMPLE_OPTS),
+    (dt.sample_rows_kernel, {**SAMPLE, "x_ptr": "*bf16"}, SAMPLE_CONSTS, SAMPLE_OPTS),
+    (dt.sample_rows_kernel, SAMPLE, SAMPLE_NO_SEARCH, du._sample_launch_options(False)),
     # the KV path move for depth + 1 = 2 and 16 rows per request
-    (du._move_kv_rows_kernel, KV_MOVE, {"KP": 2, "TILE": du._KV_MOVE_TILE}, 4),
-    (du._move_kv_rows_kernel, KV_MOVE, {"KP": 16, "TILE": du._KV_MOVE_TILE}, 4),
+    (dt.move_kv_rows_kernel, KV_MOVE, {"KP": 2, "TILE": du._KV_MOVE_TILE}, 4),
+    (dt.move_kv_rows_kernel, KV_MOVE, {"KP": 16, "TILE": du._KV_MOVE_TILE}, 4),
     # the tree-verify attention at head dim 128, bf16 (Qwen3 shapes)
-    (du._tree_attn_prefix_kernel, TREE_ATTN_PREFIX, TREE_ATTN_CONSTS, 4),
-    (du._tree_attn_tree_kernel, TREE_ATTN_TREE, TREE_ATTN_CONSTS, 4),
+    (dt.tree_attn_prefix_kernel, TREE_ATTN_PREFIX, TREE_ATTN_CONSTS, 4),
+    (dt.tree_attn_tree_kernel, TREE_ATTN_TREE, TREE_ATTN_CONSTS, 4),
 ]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import ddtree_reference as dr
 import ddtree_utils as du
 
 pytestmark = [
@@ -31,7 +32,7 @@ def test_cuda_builder_equals_cpu_heap(budget, levels):
         lp, ids, budget, valid=valid, topk_cap=48 if budget > 60 else None
     )
     assert got.tokens.device.type == "cuda"
-    want = du.build_tree_reference(
+    want = dr.build_tree_reference(
         lp.cpu(),
         ids.cpu(),
         budget,
@@ -115,7 +116,7 @@ def test_build_and_compile_replay_in_cuda_graph():
         static_ids.copy_(ids)
         graph.replay()
         torch.cuda.synchronize()
-        want = du.build_tree_reference(lp, ids, budget)
+        want = dr.build_tree_reference(lp, ids, budget)
         for name, a, b in zip(want._fields, want, out_tree):
             assert torch.equal(a.cpu(), b.cpu()), name
         eager = du.compile_tree(want, bonus, seq, build_custom_mask=False, max_depth=15)
@@ -191,7 +192,7 @@ def test_triton_kernels_equal_torch_and_heap(bs, depth, vocab, budget, cap, leve
     valid = torch.rand(bs, device="cuda") > 0.2
     got = du.build_tree(lp, ids, budget, valid=valid, topk_cap=cap, backend="triton")
     ops = du.build_tree(lp, ids, budget, valid=valid, topk_cap=cap, backend="torch")
-    want = du.build_tree_reference(
+    want = dr.build_tree_reference(
         lp.cpu(), ids.cpu(), budget, valid=valid.cpu(), topk_cap=cap
     )
     for name, a, b, c in zip(want._fields, want, got, ops):
@@ -231,7 +232,7 @@ def test_triton_build_and_compile_replay_in_cuda_graph():
         static_lp.copy_(lp)
         static_ids.copy_(ids)
         graph.replay()
-        want = du.build_tree_reference(lp.cpu(), ids.cpu(), budget)
+        want = dr.build_tree_reference(lp.cpu(), ids.cpu(), budget)
         for name, a, b in zip(want._fields, want, out_tree):
             assert torch.equal(a, b.cpu()), name
         ct = du.compile_tree(

@@ -23,9 +23,8 @@ torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
-dflash_info = pytest.importorskip("sglang.srt.speculative.dflash_info")
-if not hasattr(dflash_info, "DDTreeVerifyInput"):
-    pytest.skip("the patched sglang build is not on the path", allow_module_level=True)
+ddtree_info = pytest.importorskip("sglang.srt.speculative.ddtree_info",
+                                  reason="the patched sglang build is not on the path")
 
 DRIVER = Path(__file__).with_name("ddtree_e2e.py")
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+import ddtree_reference as dr
 import ddtree_utils as du
 
 pytestmark = [
@@ -89,7 +90,7 @@ def test_kept_sets_equal_cpu_reference(dtype):
     top_k = torch.tensor([1 << 30, 50, 0, 1000, 7, 1 << 30] * 4, dtype=torch.int32)
     top_p = torch.tensor([0.9, 1.0, 0.5, 0.95, 1.0, 1.0] * 4)
     min_p = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 0.05] * 4)
-    ref = du.target_probs_from_logits(x.float(), temp, top_k, top_p, min_p) > 0
+    ref = dr.target_probs_from_logits(x.float(), temp, top_k, top_p, min_p) > 0
     _, thr = du._sample_with_threshold(
         x.cuda(), temp.cuda(), top_k.cuda(), top_p.cuda(), min_p.cuda(), None, "triton"
     )
@@ -100,7 +101,7 @@ def test_kept_sets_equal_cpu_reference(dtype):
 def test_distribution_matches_reference():
     gen = torch.Generator().manual_seed(9)
     x = torch.randn(1, 64, generator=gen) * 2
-    want = du.target_probs_from_logits(x, 0.8, 10, 0.9, 0.02)[0]
+    want = dr.target_probs_from_logits(x, 0.8, 10, 0.9, 0.02)[0]
     n = 200000
     tok = du.sample_from_logits(
         x.cuda().expand(n, -1), 0.8, 10, 0.9, 0.02, backend="triton"
@@ -127,7 +128,7 @@ def test_top_p_boundary_rows_equal_reference():
     top_p = m.float()
     assert bool(((top_p.double() - m).abs() > 1e-12).all())  # float64 decides every row
     top_k = torch.full((rows,), 1 << 30, dtype=torch.int32, device="cuda")
-    ref = du.target_probs_from_logits(x, temp, top_k, top_p) > 0
+    ref = dr.target_probs_from_logits(x, temp, top_k, top_p) > 0
     _, thr = du._sample_with_threshold(x, temp, top_k, top_p, None, None, "triton")
     kept = x / temp.view(rows, 1) >= thr.view(rows, 1)
     assert torch.equal(kept, ref)

@@ -15,9 +15,8 @@ torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
-dflash_worker = pytest.importorskip("sglang.srt.speculative.dflash_worker")
-if not hasattr(dflash_worker, "_TreeBuilder"):
-    pytest.skip("the patched sglang build is not on the path", allow_module_level=True)
+ddtree_worker = pytest.importorskip("sglang.srt.speculative.ddtree_worker",
+                                    reason="the patched sglang 0.5.13.post1 build is not on the path")
 from sglang.srt.speculative import ddtree_utils
 
 VOCAB = 4096
@@ -46,8 +45,8 @@ def _time(fn, args, reps=20):
 @pytest.mark.parametrize("budget", [15, 63, 255])
 def test_graphed_tree_build_equals_eager(budget):
     depth, k = 15, min(budget, 16)
-    graphed = dflash_worker._TreeBuilder(budget, k, depth, use_cuda_graph=True)
-    eager = dflash_worker._TreeBuilder(budget, k, depth, use_cuda_graph=False)
+    graphed = ddtree_worker._TreeBuilder(budget, k, depth, use_cuda_graph=True)
+    eager = ddtree_worker._TreeBuilder(budget, k, depth, use_cuda_graph=False)
     for seed, bs in enumerate([1, 4, 4, 9, 1, 4]):
         args = _inputs(bs, depth, k, seed)
         valid_g, got = graphed(*args)

@@ -1,6 +1,6 @@
 """The 0.5.16 worker's round pieces on CUDA (patched sglang 0.5.16 on PYTHONPATH).
 
-- ddtree_accept_greedy (sgl_kernel verify_tree_greedy) == ddtree_utils.verify_greedy_reference
+- ddtree_utils.accept_tree_greedy (sgl_kernel verify_tree_greedy) == ddtree_utils.verify_greedy_reference
   on GPU-built trees, budgets 1..255;
 - the draft-graph proposer replayed from a CUDA graph == eager, and the proposer, the mask
   scatter, the accept and the commit layout run under torch.cuda sync debug mode "error"
@@ -24,6 +24,12 @@ if not torch.cuda.is_available():
 info = pytest.importorskip("sglang.srt.speculative.ddtree_info_v2")
 from sglang.srt.speculative import ddtree_utils  # noqa: E402
 from sglang.srt.speculative.ddtree_worker_v2 import DDTreeProposer  # noqa: E402
+from sglang.srt.speculative.ddtree_worker_v2 import verify_tree_greedy  # noqa: E402
+
+if verify_tree_greedy is None:  # the worker's accept kernel: what these tests measure
+    pytest.skip("sgl_kernel.verify_tree_greedy is not importable", allow_module_level=True)
+
+import ddtree_reference as dr  # noqa: E402
 
 VOCAB, BLOCK = 512, 16
 
@@ -52,8 +58,8 @@ def test_accept_kernel_matches_the_reference(budget):
     bs = 8
     ct, cand, predict, _, depth = _round(budget, bs, budget)
     index = torch.arange(bs * (budget + 1), device="cuda").view(bs, budget + 1)
-    got = info.ddtree_accept_greedy(cand, predict, index, ct.retrieve_next_token,
-                                    ct.retrieve_next_sibling, depth)
+    got = ddtree_utils.accept_tree_greedy(cand, predict, index, ct.retrieve_next_token,
+                                          ct.retrieve_next_sibling, depth, kernel=verify_tree_greedy)
     want = ddtree_utils.verify_greedy_reference(
         cand.cpu(), ct.retrieve_next_token.cpu(), ct.retrieve_next_sibling.cpu(), predict.cpu(), depth)
     for a, b in zip(got, want):
@@ -95,11 +101,12 @@ def test_proposer_graph_and_no_host_sync():
         buf[index] = tree_mask.reshape(-1)
         predict = torch.randint(0, VOCAB, (bs, n), device="cuda", generator=gen)
         rows = torch.arange(bs * n, device="cuda").view(bs, n)
-        acc, acc_len, bonus = info.ddtree_accept_greedy(tokens, predict, rows, nxt, sib, depth)
+        acc, acc_len, bonus = ddtree_utils.accept_tree_greedy(tokens, predict, rows, nxt, sib, depth,
+                                                            kernel=verify_tree_greedy)
         out, commit, path = ddtree_utils.tree_commit_layout(acc, acc_len, bonus, tokens, BLOCK)
         slots = torch.arange(bs * (n + depth + 1), device="cuda").view(bs, -1)
-        info.ddtree_kv_move_locs(slots, path, n, depth)
-        ddtree_utils.move_kv_rows(kv_rows, *info.ddtree_kv_path_locs(slots, path, n, depth))
+        ddtree_utils.kv_move_locs(slots, path, n, depth)
+        ddtree_utils.move_kv_rows(kv_rows, *ddtree_utils.kv_path_locs(slots, path, n, depth))
         ddtree_utils.restore_true_mask(buf, index)
     finally:
         torch.cuda.set_sync_debug_mode("default")
@@ -160,8 +167,9 @@ def test_round_pieces_do_not_wait_for_the_gpu(bs):
     rows = torch.arange(bs * n, device="cuda").view(bs, n)
     logits = torch.randn(bs * n, VOCAB, device="cuda")
     slots = torch.arange(bs * (n + depth + 1), device="cuda").view(bs, -1)
-    acc = info.ddtree_accept_greedy(
-        cand, predict, rows, ct.retrieve_next_token, ct.retrieve_next_sibling, depth
+    acc = ddtree_utils.accept_tree_greedy(
+        cand, predict, rows, ct.retrieve_next_token, ct.retrieve_next_sibling, depth,
+        kernel=verify_tree_greedy,
     )
     layout = ddtree_utils.tree_commit_layout(*acc, cand, BLOCK)
     kv_rows = ddtree_utils.kv_rows(
@@ -171,13 +179,14 @@ def test_round_pieces_do_not_wait_for_the_gpu(bs):
         "mask scatter": lambda: buf.__setitem__(index, ct.tree_mask.reshape(-1)),
         "restore_true_mask": lambda: ddtree_utils.restore_true_mask(buf, index),
         "argmax": lambda: torch.argmax(logits, dim=-1),
-        "ddtree_accept_greedy": lambda: info.ddtree_accept_greedy(
-            cand, predict, rows, ct.retrieve_next_token, ct.retrieve_next_sibling, depth
+        "accept_tree_greedy": lambda: ddtree_utils.accept_tree_greedy(
+            cand, predict, rows, ct.retrieve_next_token, ct.retrieve_next_sibling, depth,
+            kernel=verify_tree_greedy,
         ),
         "tree_commit_layout": lambda: ddtree_utils.tree_commit_layout(*acc, cand, BLOCK),
-        "ddtree_kv_move_locs": lambda: info.ddtree_kv_move_locs(slots, layout[2], n, depth),
+        "kv_move_locs": lambda: ddtree_utils.kv_move_locs(slots, layout[2], n, depth),
         "move_kv_rows": lambda: ddtree_utils.move_kv_rows(
-            kv_rows, *info.ddtree_kv_path_locs(slots, layout[2], n, depth)
+            kv_rows, *ddtree_utils.kv_path_locs(slots, layout[2], n, depth)
         ),
     }
     waited = {
@@ -212,17 +221,17 @@ def test_move_kv_rows_equals_the_two_copy_move(bs):
     slots = (torch.randperm(size - 8, device="cuda", generator=gen)[: bs * (n + k)] + 8).view(bs, n + k)
     ct, cand, predict, _, _ = _round(budget, bs, bs)
     rows_idx = torch.arange(bs * n, device="cuda").view(bs, n)
-    acc = info.ddtree_accept_greedy(cand, predict, rows_idx, ct.retrieve_next_token,
-                                    ct.retrieve_next_sibling, depth)
+    acc = ddtree_utils.accept_tree_greedy(cand, predict, rows_idx, ct.retrieve_next_token,
+                                          ct.retrieve_next_sibling, depth, kernel=verify_tree_greedy)
     path = ddtree_utils.tree_commit_layout(*acc, cand, BLOCK)[2]
-    tgt, src = info.ddtree_kv_path_locs(slots, path, n, depth)
+    tgt, src = ddtree_utils.kv_path_locs(slots, path, n, depth)
     want = [buf[src.reshape(-1)].clone() for buf in pools[0].k_buffer + pools[0].v_buffer]
     rows = ddtree_utils.kv_rows(pools[0].k_buffer + pools[0].v_buffer)
 
     ddtree_utils.move_kv_rows(rows, tgt, src)
 
     def two_copies():
-        for t, s_ in info.ddtree_kv_move_locs(slots, path, n, depth):
+        for t, s_ in ddtree_utils.kv_move_locs(slots, path, n, depth):
             pools[1].move_kv_cache(t, s_)
 
     two_copies()
@@ -271,7 +280,7 @@ def test_tree_verify_attention_equals_the_extend_kernel(bs, budget):
                              mask_indptr, n, 1.0, 1.0, scale)
 
     extend()
-    want = ddtree_utils.tree_verify_attention_reference(
+    want = dr.tree_verify_attention_reference(
         q, kb, vb, indptr, indices, kt, vt, mask, mask_indptr, n, scale)
     err_tree = (got.float() - want.float()).abs().max().item()
     err_ext = (ext.float() - want.float()).abs().max().item()

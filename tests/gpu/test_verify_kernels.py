@@ -16,8 +16,9 @@ torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
-dflash_info = pytest.importorskip("sglang.srt.speculative.dflash_info")
-if not hasattr(dflash_info, "DDTreeVerifyInput"):
+ddtree_info = pytest.importorskip("sglang.srt.speculative.ddtree_info",
+                                  reason="the patched sglang 0.5.13.post1 build is not on the path")
+if not hasattr(ddtree_info, "DDTreeVerifyInput"):
     pytest.skip("the patched sglang build is not on the path", allow_module_level=True)
 from sglang.srt.speculative import ddtree_utils
 
@@ -50,7 +51,7 @@ def _case(budget: int, bs: int, seed: int):
             path.append(nxt)
         taken = {int(tokens[b, j]) for j in children.get(path[-1], [])}
         predict[b, path[-1]] = next(t for t in range(VOCAB) if t not in taken)
-    vi = dflash_info.DDTreeVerifyInput(
+    vi = ddtree_info.DDTreeVerifyInput(
         draft_token=ct.draft_tokens,
         positions=ct.positions,
         draft_token_num=n,
@@ -65,7 +66,7 @@ def _case(budget: int, bs: int, seed: int):
 
 @pytest.mark.parametrize("budget", [1, 15, 63, 255])
 def test_verify_tree_greedy_kernel_matches_reference(budget):
-    assert dflash_info.verify_tree_greedy is not None, (
+    assert ddtree_info.verify_tree_greedy is not None, (
         "sgl_kernel verify_tree_greedy missing"
     )
     vi, cand, predict, depth = _case(budget, bs=8, seed=budget)

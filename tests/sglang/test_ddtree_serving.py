@@ -123,7 +123,7 @@ def test_dflash_requests_are_unchanged(parse, as_global, params, processor, name
 
 @pytest.mark.parametrize("budget", [1, 15, 63, 255])
 def test_accept_rate_divides_by_the_reachable_depth(parse, budget):
-    from sglang.srt.arg_groups.speculative_hook import speculative_drafts_per_round
+    from sglang.srt.arg_groups.ddtree_hook import speculative_drafts_per_round
     from sglang.srt.managers.tokenizer_manager import TokenizerManager
 
     args = parse("DDTREE", "--speculative-ddtree-budget", str(budget))
@@ -139,7 +139,7 @@ def test_accept_rate_divides_by_the_reachable_depth(parse, budget):
 
 
 def test_accept_rate_of_other_algorithms_is_unchanged(parse):
-    from sglang.srt.arg_groups.speculative_hook import speculative_drafts_per_round
+    from sglang.srt.arg_groups.ddtree_hook import speculative_drafts_per_round
     from sglang.srt.managers.tokenizer_manager import TokenizerManager
 
     args = parse("DFLASH")
@@ -156,9 +156,9 @@ def test_accept_rate_of_other_algorithms_is_unchanged(parse):
 
 @pytest.fixture(scope="module")
 def worker_mod(sglang_overlay):
-    from sglang.srt.speculative import dflash_worker
+    from sglang.srt.speculative import ddtree_worker
 
-    return dflash_worker
+    return ddtree_worker
 
 
 class _ReplayOnCpu:
@@ -222,9 +222,9 @@ def test_worker_refuses_a_loaded_sliding_window_target(parse, worker_mod, backen
 
 
 def test_sampling_fallback_warning_names_the_python_walk(worker_mod, monkeypatch, caplog):
-    from sglang.srt.speculative import dflash_info
+    from sglang.srt.speculative import ddtree_info
 
-    monkeypatch.setattr(dflash_info, "verify_tree_greedy", None)
+    monkeypatch.setattr(ddtree_info, "verify_tree_greedy", None)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     worker = SimpleNamespace(_warned_sampling_fallback=False, tp_rank=0)
     with caplog.at_level(logging.WARNING, logger=worker_mod.logger.name):
@@ -233,3 +233,93 @@ def test_sampling_fallback_warning_names_the_python_walk(worker_mod, monkeypatch
     messages = [r.getMessage() for r in caplog.records]
     assert len(messages) == 1
     assert "verify_greedy_reference" in messages[0] and "greedy argmax" not in messages[0]
+
+
+def _load_request_matrix():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "request_matrix.py"
+    spec = importlib.util.spec_from_file_location("ddtree_request_matrix", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _pin_016_request_messages(tmp_path, matrix) -> dict:
+    """The matrix through the 0.5.16 pin's request check, in a child Python with the 0.5.16
+    build laid over the real 0.5.16 site (as tests/sglang_v2/test_v2_pin.py runs it)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from ddtree_deploy.checks.sglang_smoke import make_overlay
+    from ddtree_deploy.deploy import build as b
+    from ddtree_deploy.deploy import pins
+
+    site = pins.sglang_site("0.5.16")
+    if site is None:
+        pytest.skip(f"no sglang 0.5.16 test site in {pins.sites_root()} (scripts/install_sglang_env.sh)")
+    (pin,) = pins.select("0.5.16")
+    build = tmp_path / "build-0.5.16"
+    b.assemble(b.prepare(pin.inputs()), build)
+    overlay = make_overlay(build, tmp_path / "overlay-0.5.16", site / "sglang")
+    root = matrix.DOCS.parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(overlay), str(site), str(root)]),
+               TRITON_INTERPRET="1", SGLANG_LOGGING_LEVEL="WARNING")
+    proc = subprocess.run([sys.executable, matrix.__file__], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout)
+
+
+def test_both_pins_and_the_docs_agree_on_every_request_parameter(parse, as_global, tmp_path):
+    """One request matrix (tests/request_matrix.py: a non-default value of every parameter in
+    docs/DDTREE.md's per-request table, on real Req / SamplingParams objects) through the
+    request check of each pin: 0.5.13.post1's validate_dflash_request here, 0.5.16's scheduler
+    check (validate_dflash_request, then validate_ddtree_request) in a child Python. Each pin
+    refuses exactly the parameters the docs call refused, and a DDTREE refusal names the
+    parameter. Slow-ish (about 20 s on 2 cores): the child imports sglang 0.5.16."""
+    from sglang.srt.speculative.dflash_utils import validate_dflash_request
+
+    matrix = _load_request_matrix()
+    want = matrix.expected(matrix.documented_rules())
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    as_global(parse("DDTREE"))
+    got = {
+        "0.5.13.post1": {c: validate_dflash_request(r) for c, r in matrix.make_requests(Req, SamplingParams).items()},
+        "0.5.16": _pin_016_request_messages(tmp_path, matrix),
+    }
+    params = {case: param for case, param, _, _ in matrix.MATRIX}
+    for pin, messages in got.items():
+        refused = {case: msg is not None for case, msg in messages.items()}
+        assert refused == want, (pin, {c: m for c, m in messages.items() if refused[c] != want[c]})
+        for case, msg in messages.items():
+            if msg is not None and params[case] not in ("logprobs", "grammar"):
+                name = params[case].replace(" ", "_")  # custom logit processor -> custom_logit_processor
+                assert msg.startswith(f"DDTREE speculative decoding does not support {name}"), (pin, msg)
+
+
+@pytest.mark.parametrize("extra", [(), ("--speculative-ddtree-budget", "63", "--speculative-ddtree-topk-cap", "4"),
+                                   ("--speculative-ddtree-budget", "3", "--speculative-ddtree-debug-metrics")])
+def test_worker_shape_from_resolved_server_args(parse, extra):
+    """Both pins' workers take their sizes from ddtree_serving.worker_shape of the resolved
+    (real) server args; a page size other than 1 and unresolved args are refused."""
+    from sglang.srt.speculative import ddtree_serving
+
+    args = parse("DDTREE", *extra)
+    block, budget = args.speculative_dflash_block_size, args.speculative_ddtree_budget
+    shape = ddtree_serving.worker_shape(args, block, 1, VOCAB)
+    assert shape.num_verify_tokens == budget + 1 == args.speculative_num_draft_tokens
+    assert shape.max_depth == min(budget, block - 1)
+    assert shape.topk == min(args.speculative_ddtree_topk_cap, budget, VOCAB)
+    assert shape.verify_topk == args.speculative_eagle_topk > 1
+    assert (shape.debug_metrics is not None) == args.speculative_ddtree_debug_metrics
+    with pytest.raises(ValueError, match="page_size == 1"):
+        ddtree_serving.worker_shape(args, block, 16, VOCAB)
+    args.speculative_num_draft_tokens = budget + 2
+    with pytest.raises(ValueError, match="budget \\+ 1"):
+        ddtree_serving.worker_shape(args, block, 1, VOCAB)

@@ -17,6 +17,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import ddtree_reference as dr
+
 VOCAB = 64
 HIDDEN = 8
 BLOCK = 16
@@ -32,7 +34,7 @@ def _modules() -> SimpleNamespace:
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
     from sglang.srt.sampling.sampling_params import SamplingParams
     from sglang.srt.speculative import ddtree_utils
-    from sglang.srt.speculative.dflash_info import DDTreeVerifyInput
+    from sglang.srt.speculative.ddtree_info import DDTreeVerifyInput
 
     return SimpleNamespace(
         Req=Req,
@@ -59,7 +61,7 @@ def _make_tree(m, bs, budget, seq_lens, seed):
     logp, ids = m.ddtree_utils.draft_topk_logprobs(
         logits[:, :max_depth], min(budget, 8)
     )
-    tree = m.ddtree_utils.build_tree_reference(logp, ids, budget)
+    tree = dr.build_tree_reference(logp, ids, budget)
     bonus = torch.randint(3, VOCAB, (bs,), generator=gen)
     compiled = m.ddtree_utils.compile_tree(
         tree,
@@ -324,9 +326,9 @@ def test_prepare_for_verify_refuses_paged_kv_and_missing_mask(m):
 
 @pytest.fixture(scope="module")
 def worker_mod(sglang_overlay):
-    from sglang.srt.speculative import dflash_worker
+    from sglang.srt.speculative import ddtree_worker
 
-    return dflash_worker
+    return ddtree_worker
 
 
 class _Recorder:
@@ -449,9 +451,11 @@ def test_draft_topk_logprobs_single_and_two_shards(worker_mod, monkeypatch):
 
 
 def test_debug_metrics_histogram(worker_mod):
-    metrics = worker_mod._DDTreeDebugMetrics(max_depth=3)
-    metrics.record(tree_nodes=30, accepted=[0, 2, 3], build_ms=1.5)
-    metrics.record(tree_nodes=20, accepted=[5, 1], build_ms=0.5)
+    """The worker's metrics are ddtree_serving's (the same on both pins), fed per round with
+    the accept lengths, the valid tree nodes and the build time."""
+    metrics = worker_mod.ddtree_serving.DDTreeDebugMetrics(max_depth=3, budget=15)
+    metrics.record([0, 2, 3], tree_nodes=30, build_ms=1.5)
+    metrics.record([5, 1], tree_nodes=20, build_ms=0.5)
     snap = metrics.snapshot()
     assert snap["rounds"] == 2
     assert snap["accepted_depth_hist"] == [1, 1, 1, 2]  # depth 5 clamps to max_depth
@@ -547,11 +551,11 @@ def test_tree_builder_matches_ddtree_utils(m, worker_mod):
 def _dense_target_probs(m, logits, temperature, top_k, top_p, min_p):
     """The plain target sampler's distribution, dense (ddtree_utils' reference)."""
     try:
-        return m.ddtree_utils.target_probs_from_logits(logits, temperature, top_k, top_p, min_p=min_p)
+        return dr.target_probs_from_logits(logits, temperature, top_k, top_p, min_p=min_p)
     except TypeError:
         # TEMPORARY (until the sampling engineer's ddtree_utils lands on main): the reference
         # without min_p, with SGLang's min-p rule applied on top (p >= min_p * p_max).
-        probs = m.ddtree_utils.target_probs_from_logits(logits, temperature, top_k, top_p)
+        probs = dr.target_probs_from_logits(logits, temperature, top_k, top_p)
         if min_p is not None:
             mp = torch.as_tensor(min_p, dtype=probs.dtype).reshape(-1, *([1] * (probs.dim() - 1)))
             probs = torch.where(probs >= mp * probs.amax(dim=-1, keepdim=True), probs, 0.0)

@@ -29,10 +29,18 @@ def test_every_patched_module_imports_from_the_overlay(sglang_overlay):
 
 
 def test_shipped_ddtree_utils_is_the_repository_module(sglang_overlay):
+    import importlib
+
     from sglang.srt.speculative import ddtree_utils
 
     assert _sha256(Path(ddtree_utils.__file__)) == _sha256(REPO / "ddtree_utils.py")
     assert callable(ddtree_utils.build_tree) and callable(ddtree_utils.compile_tree)
+    # the sibling modules the build ships are the repository's too, and the kernels module is
+    # the one ddtree_utils launches from (relative import inside sglang)
+    for name in ("ddtree_triton", "ddtree_serving"):
+        mod = importlib.import_module(f"sglang.srt.speculative.{name}")
+        assert _sha256(Path(mod.__file__)) == _sha256(REPO / f"{name}.py"), name
+    assert ddtree_utils.ddtree_triton.__name__ == "sglang.srt.speculative.ddtree_triton"
 
 
 def test_overlay_leaves_the_installed_package_untouched(sglang_overlay):

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
+import ddtree_serving
 import ddtree_sglang_fixtures as fixtures
 
 DRAFT_BLOCK = fixtures.draft_config()["block_size"]
@@ -48,14 +49,15 @@ def parse(sglang_overlay, tiny_models):
 
 @pytest.fixture(scope="module")
 def hook(sglang_overlay):
-    from sglang.srt.arg_groups import speculative_hook
+    """The DDTREE server-args hook of the 0.5.13.post1 series (a new file, patch 0002)."""
+    from sglang.srt.arg_groups import ddtree_hook
 
-    return speculative_hook
+    return ddtree_hook
 
 
 def assert_ddtree_shape(args, *, block: int, budget: int, topk_cap: int) -> None:
     """The documented DDTREE contract between server args and the worker."""
-    from sglang.srt.arg_groups.speculative_hook import DDTREE_MAX_CUDA_GRAPH_TOKENS
+    from sglang.srt.speculative.ddtree_serving import DDTREE_MAX_CUDA_GRAPH_TOKENS
     from sglang.srt.mem_cache.common import get_alloc_len_per_decode
 
     assert args.speculative_algorithm == "DDTREE"
@@ -81,7 +83,7 @@ def assert_ddtree_shape(args, *, block: int, budget: int, topk_cap: int) -> None
 def test_defaults_follow_the_draft_block_size(parse, hook):
     args = parse("--attention-backend", "triton")
     budget = DRAFT_BLOCK - 1
-    assert_ddtree_shape(args, block=DRAFT_BLOCK, budget=budget, topk_cap=min(budget, hook.DDTREE_DEFAULT_TOPK_CAP))
+    assert_ddtree_shape(args, block=DRAFT_BLOCK, budget=budget, topk_cap=min(budget, ddtree_serving.DDTREE_DEFAULT_TOPK_CAP))
     assert args.speculative_ddtree_allow_hybrid_unsafe is False
     assert args.speculative_ddtree_debug_metrics is False
     assert args.max_running_requests == 48  # inherited from DFLASH
@@ -96,7 +98,7 @@ def test_explicit_budget_and_topk_cap(parse, hook, budget, topk_cap):
     if topk_cap is not None:
         extra += ["--speculative-ddtree-topk-cap", str(topk_cap)]
     args = parse(*extra)
-    want_cap = topk_cap if topk_cap is not None else min(budget, hook.DDTREE_DEFAULT_TOPK_CAP)
+    want_cap = topk_cap if topk_cap is not None else min(budget, ddtree_serving.DDTREE_DEFAULT_TOPK_CAP)
     assert_ddtree_shape(args, block=DRAFT_BLOCK, budget=budget, topk_cap=want_cap)
 
 
@@ -105,11 +107,11 @@ def test_cuda_graph_batch_sizes(parse, hook):
     small = parse("--attention-backend", "triton")  # verify width 16: nothing to trim
     assert small.cuda_graph_bs == dflash.cuda_graph_bs
     large = parse("--attention-backend", "triton", "--speculative-ddtree-budget", "255")
-    cap = hook.DDTREE_MAX_CUDA_GRAPH_TOKENS // 256
+    cap = ddtree_serving.DDTREE_MAX_CUDA_GRAPH_TOKENS // 256
     assert large.cuda_graph_bs == [bs for bs in dflash.cuda_graph_bs if bs <= cap]
     explicit = parse("--attention-backend", "triton", "--speculative-ddtree-budget", "1023",
                      "--cuda-graph-bs", "8", "16")
-    assert explicit.cuda_graph_bs == [hook.DDTREE_MAX_CUDA_GRAPH_TOKENS // 1024]
+    assert explicit.cuda_graph_bs == [ddtree_serving.DDTREE_MAX_CUDA_GRAPH_TOKENS // 1024]
 
 
 @pytest.mark.parametrize(("block", "cap", "budget"), [(16, 1, 15), (2, 3, 3), (3, 2, 6), (4, 2, 14)])
@@ -211,7 +213,9 @@ def test_handling_is_idempotent(parse, hook):
     args = parse("--attention-backend", "triton", "--speculative-ddtree-budget", "40",
                  "--speculative-ddtree-topk-cap", "6")
     again = copy.deepcopy(args)
-    hook.handle_speculative_decoding(again)
+    from sglang.srt.arg_groups.speculative_hook import handle_speculative_decoding
+
+    handle_speculative_decoding(again)
     assert {f: getattr(again, f) for f in DDTREE_FIELDS} == {f: getattr(args, f) for f in DDTREE_FIELDS}
 
 
@@ -335,15 +339,13 @@ def test_plugin_conformance_still_holds(sglang_overlay):
 
 
 def test_create_worker(sglang_overlay):
-    from sglang.srt.speculative import dflash_worker
+    from sglang.srt.speculative import ddtree_worker, dflash_worker
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
     with pytest.raises(ValueError, match="DDTREE does not support overlap"):
         SpeculativeAlgorithm.DDTREE.create_worker(SimpleNamespace(disable_overlap_schedule=False))
-    if not hasattr(dflash_worker, "DDTreeWorker"):
-        pytest.skip("DDTreeWorker is not in this build yet (worker patch)")
     worker = SpeculativeAlgorithm.DDTREE.create_worker(SimpleNamespace(disable_overlap_schedule=True))
-    assert worker is dflash_worker.DDTreeWorker and issubclass(worker, dflash_worker.DFlashWorker)
+    assert worker is ddtree_worker.DDTreeWorker and issubclass(worker, dflash_worker.DFlashWorker)
     assert SpeculativeAlgorithm.DFLASH.create_worker(SimpleNamespace(disable_overlap_schedule=True)) \
         is dflash_worker.DFlashWorker
 
@@ -362,9 +364,9 @@ def test_help_documents_the_flags(sglang_overlay, hook):
                  "--speculative-ddtree-allow-hybrid-unsafe", "--speculative-ddtree-debug-metrics"):
         assert flag in text
     assert "NGRAM, DFLASH, DDTREE" in text
-    assert f"(1 to {hook.DDTREE_MAX_BUDGET})" in text
+    assert f"(1 to {ddtree_serving.DDTREE_MAX_BUDGET})" in text
     assert "Default: DFlash block size - 1" in text and "starting point" in text
-    assert f"Default: min(budget, {hook.DDTREE_DEFAULT_TOPK_CAP})" in text
+    assert f"Default: min(budget, {ddtree_serving.DDTREE_DEFAULT_TOPK_CAP})" in text
     assert "refused at startup" in text and "/get_server_info" in text
 
 
@@ -405,14 +407,14 @@ def test_kv_reservation_is_the_round_peak(parse, budget, monkeypatch):
 
 
 def test_drafter_keeps_the_untrimmed_cuda_graph_batch_sizes(parse, sglang_overlay):
-    from sglang.srt.speculative import dflash_worker
+    from sglang.srt.speculative import ddtree_worker
 
     dflash = parse("--attention-backend", "triton", algorithm="DFLASH")
     for budget in (15, 255, 1023):
         args = parse("--attention-backend", "triton", "--speculative-ddtree-budget", str(budget))
         assert args.speculative_ddtree_draft_cuda_graph_bs == dflash.cuda_graph_bs
         assert args.speculative_ddtree_draft_cuda_graph_max_bs == dflash.cuda_graph_max_bs
-        draft = dflash_worker.DDTreeWorker._make_draft_server_args(None, args)
+        draft = ddtree_worker.DDTreeWorker._make_draft_server_args(None, args)
         assert draft.cuda_graph_bs == dflash.cuda_graph_bs
         assert draft.cuda_graph_max_bs == dflash.cuda_graph_max_bs
         assert draft.speculative_num_draft_tokens == DRAFT_BLOCK
@@ -422,7 +424,7 @@ def test_drafter_keeps_the_untrimmed_cuda_graph_batch_sizes(parse, sglang_overla
     # An explicit --cuda-graph-bs reaches the drafter unchanged.
     args = parse("--attention-backend", "triton", "--speculative-ddtree-budget", "1023",
                  "--cuda-graph-bs", "8", "16")
-    assert dflash_worker.DDTreeWorker._make_draft_server_args(None, args).cuda_graph_bs == [8, 16]
+    assert ddtree_worker.DDTreeWorker._make_draft_server_args(None, args).cuda_graph_bs == [8, 16]
 
 
 def _sliding_window_dirs(tmp_path, **target_overrides):

@@ -38,10 +38,10 @@ def test_gate_passes_on_the_build(sglang_overlay):
 def test_gate_fails_when_validation_is_broken(sglang_overlay, tmp_path):
     broken = tmp_path / "build"
     shutil.copytree(sglang_overlay.build_dir, broken)
-    hook = broken / "srt/arg_groups/speculative_hook.py"
+    hook = broken / "srt/speculative/ddtree_serving.py"  # the budget rule both pins call
     text = hook.read_text()
-    # Break the budget derivation: budget 0 is still refused further down (ddtree_utils' serving
-    # limits check it too), so the mutation makes a valid budget resolve to the wrong value.
+    # Break the budget derivation: budget 0 is still refused further down (the range check),
+    # so the mutation makes a valid budget resolve to the wrong value.
     check = "    budget = int(budget)\n"
     assert check in text
     hook.write_text(text.replace(check, "    budget = int(budget) + 1\n", 1))

@@ -19,6 +19,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import ddtree_reference as dr
 import ddtree_utils as du
 
 _FIX = Path(__file__).resolve().parents[2] / "sglang" / "fixtures.py"
@@ -80,7 +81,10 @@ def test_algorithm_predicates_and_worker():
 
 def test_verify_input_for_capture_carries_the_mask(parse):
     from sglang.srt.speculative.ddtree_info_v2 import DDTreeVerifyInput
-    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm, create_dummy_verify_input
+    from sglang.srt.speculative.spec_info import (
+        SpeculativeAlgorithm,
+        create_dummy_verify_input,
+    )
 
     args = parse("--attention-backend triton --speculative-ddtree-budget 63")
     mask = torch.ones(128, dtype=torch.bool)
@@ -99,10 +103,8 @@ def test_verify_input_for_capture_carries_the_mask(parse):
 @pytest.mark.parametrize("budget", [1, 15, 63, 255])
 @pytest.mark.parametrize("backend", ["triton", "flashinfer"])
 def test_ddtree_shape(parse, budget, backend):
-    from sglang.srt.arg_groups.ddtree_hook import (
-        DDTREE_MAX_CUDA_GRAPH_TOKENS,
-        ddtree_decode_reserve_len,
-    )
+    from sglang.srt.arg_groups.ddtree_hook import ddtree_decode_reserve_len
+    from sglang.srt.speculative.ddtree_serving import DDTREE_MAX_CUDA_GRAPH_TOKENS
     from sglang.srt.mem_cache.allocation_sizing import (
         get_alloc_reserve_per_decode,
         get_req_to_token_extra_context_len,
@@ -246,20 +248,20 @@ def _req(**params):
     ],
 )
 def test_refused_requests(params, message):
-    from sglang.srt.arg_groups.ddtree_hook import validate_ddtree_request
+    from sglang.srt.speculative.ddtree_serving import validate_ddtree_request
 
     msg = validate_ddtree_request(_req(**params))
     assert msg and "DDTREE" in msg and message in msg
 
 
 def test_plain_and_sampled_requests_are_served():
-    from sglang.srt.arg_groups.ddtree_hook import validate_ddtree_request
+    from sglang.srt.speculative.ddtree_serving import validate_ddtree_request
 
     assert validate_ddtree_request(_req(temperature=0)) is None
     assert validate_ddtree_request(_req(temperature=0.7, top_p=0.9, top_k=20)) is None
     req = _req(temperature=0)
     req.custom_logit_processor = "serialized"
-    assert "custom logit processors" in validate_ddtree_request(req)
+    assert "custom_logit_processor" in validate_ddtree_request(req)
 
 
 # ------------------------------------------------------------------------------------------
@@ -293,7 +295,7 @@ def _round(args, seed):
     bs = 4
     logits = torch.randn(bs, depth, 24, generator=g)
     logp, ids = du.draft_topk_logprobs(logits, args.speculative_ddtree_topk_cap, backend="torch")
-    tree = du.build_tree_reference(logp, ids, budget)
+    tree = dr.build_tree_reference(logp, ids, budget)
     committed = torch.randint(1, 60, (bs,), generator=g)
     # the true prefix runs up to one round (D + 1 tokens) ahead of the CPU committed length
     prefix = committed + torch.randint(0, depth + 2, (bs,), generator=g)
@@ -315,10 +317,6 @@ def _check_kv_move_on_a_real_pool(slots, path, acc_idx, commit, n, depth):
     the pool's own move_kv_cache in two copies leave the same bytes, and every committed slot
     of every layer holds the KV of its path node."""
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
-    from sglang.srt.speculative.ddtree_info_v2 import (
-        ddtree_kv_move_locs,
-        ddtree_kv_path_locs,
-    )
     from sglang.srt.speculative.ddtree_worker_v2 import DDTreeWorkerV2
 
     bs = slots.shape[0]
@@ -336,8 +334,8 @@ def _check_kv_move_on_a_real_pool(slots, path, acc_idx, commit, n, depth):
     rows = DDTreeWorkerV2._target_kv_rows(worker)
     assert rows and len(rows.buffers) == 6 and worker._kv_rows is rows
     assert DDTreeWorkerV2._target_kv_rows(worker) is rows  # built once
-    du.move_kv_rows(rows, *ddtree_kv_path_locs(slots, path, n, depth), backend="triton")
-    for tgt, src in ddtree_kv_move_locs(slots, path, n, depth):
+    du.move_kv_rows(rows, *du.kv_path_locs(slots, path, n, depth), backend="triton")
+    for tgt, src in du.kv_move_locs(slots, path, n, depth):
         upstream.move_kv_cache(tgt, src)
     for layer, (a, b_) in enumerate(zip(fast.k_buffer + fast.v_buffer, upstream.k_buffer + upstream.v_buffer)):
         for b in range(bs):
@@ -354,12 +352,6 @@ def _check_kv_move_on_a_real_pool(slots, path, acc_idx, commit, n, depth):
 
 @pytest.mark.parametrize("budget", [1, 15, 63])
 def test_round_accept_commit_and_kv_move(parse, budget):
-    from sglang.srt.speculative.ddtree_info_v2 import (
-        ddtree_accept_greedy,
-        ddtree_kv_move_locs,
-        ddtree_verify_slots,
-    )
-
     args = parse(f"--attention-backend triton --speculative-ddtree-budget {budget}")
     n, depth, block = budget + 1, args.speculative_num_steps, args.speculative_dflash_block_size
     for seed in range(4):
@@ -368,13 +360,13 @@ def test_round_accept_commit_and_kv_move(parse, budget):
         pool, rows, reserve = _reserve_rows(args, committed)
         # every slot the round touches lies inside the reservation of the lagging committed length
         assert bool((prefix + max(block, n + depth + 1) <= committed + reserve).all())
-        slots = ddtree_verify_slots(pool.req_to_token, rows, prefix, n + depth + 1)
+        slots = du.verify_slots(pool.req_to_token, rows, prefix, n + depth + 1)
         for b in range(bs):
             p = int(prefix[b])
             assert slots[b].tolist() == pool.req_to_token[rows[b], p : p + n + depth + 1].long().tolist()
 
         index = torch.arange(bs * n).view(bs, n)
-        acc_idx, acc_len, new_bonus = ddtree_accept_greedy(
+        acc_idx, acc_len, new_bonus = du.accept_tree_greedy(
             cand, predict, index, ct.retrieve_next_token, ct.retrieve_next_sibling, depth
         )
         ref = du.verify_greedy_reference(cand, ct.retrieve_next_token, ct.retrieve_next_sibling, predict, depth)
@@ -387,7 +379,7 @@ def test_round_accept_commit_and_kv_move(parse, budget):
         kv = torch.full((4097,), -1, dtype=torch.int64)
         for b in range(bs):
             kv[slots[b, :n]] = b * 1000 + torch.arange(n)
-        for tgt, src in ddtree_kv_move_locs(slots, path, n, depth):
+        for tgt, src in du.kv_move_locs(slots, path, n, depth):
             assert not set(tgt.tolist()) & set(src.tolist())  # race-free in one launch
             kv[tgt] = kv[src].clone()
         for b in range(bs):
@@ -456,7 +448,7 @@ def test_proposer_matches_the_ddtree_utils_pipeline(parse):
     got = prop.compute(hs)
     logits = (hs.view(3, block, hidden)[:, 1 : 1 + depth] @ weight.T)
     logp, ids = du.draft_topk_logprobs(logits, k, backend="torch")
-    tree = du.build_tree_reference(logp, ids, budget)
+    tree = dr.build_tree_reference(logp, ids, budget)
     zeros = torch.zeros(3, dtype=torch.int64)
     ct = du.compile_tree(tree, zeros, zeros, build_custom_mask=False, max_depth=depth, backend="torch")
     want = (ct.draft_tokens.view(3, budget + 1), ct.depth, ct.retrieve_next_token,
@@ -528,7 +520,7 @@ def test_tree_attention_hook_on_a_real_pool():
     """ddtree_tree_verify_attention with the backend's metadata (stand-ins for the backend,
     layer and forward batch: they need a model runner) over a real MHATokenToKVPool (CPU,
     float32, the kernels in Triton's interpreter): the output equals
-    ddtree_utils.tree_verify_attention_reference, and every case it does not cover returns
+    dr.tree_verify_attention_reference, and every case it does not cover returns
     False with the output untouched."""
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
@@ -560,7 +552,7 @@ def test_tree_attention_hook_on_a_real_pool():
              "k_descale": 1.0, "v_descale": 1.0}
     o = torch.zeros(bs * n, hq * dim)
     assert ddtree_tree_verify_attention(backend, q, k, v, o, layer, verify, indptr, indices, **plain)
-    want = du.tree_verify_attention_reference(
+    want = dr.tree_verify_attention_reference(
         q.view(-1, hq, dim), pool.k_buffer[1], pool.v_buffer[1], indptr, indices,
         k.view(-1, hkv, dim), v.view(-1, hkv, dim), mask, mask_indptr, n, 0.25,
     )
@@ -602,7 +594,7 @@ def test_tree_attention_equals_sglangs_extend_kernel(dtype):
     bs = len(plens)
     logits = torch.randn(bs, 5, 9, generator=g) * 3
     lp, ids = du.draft_topk_logprobs(logits, 3, backend="torch")
-    tree = du.build_tree_reference(lp, ids, n - 1)
+    tree = dr.build_tree_reference(lp, ids, n - 1)
     zeros = torch.zeros(bs, dtype=torch.int64)
     tree_mask = du.compile_tree(tree, zeros, zeros, backend="torch").tree_mask
     mask = du.tree_custom_mask(tree_mask, list(plens))
