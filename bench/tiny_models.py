@@ -119,21 +119,24 @@ def init_weights(module: nn.Module, std: float = 0.02, seed_gen: torch.Generator
 
 
 class Qwen3Target(nn.Module):
-    """HF Qwen3ForCausalLM with tied embeddings: ``model.embed_tokens``, ``model.layers.i.*``, ``model.norm``."""
+    """HF Qwen3ForCausalLM: ``model.embed_tokens``, ``model.layers.i.*``, ``model.norm``, and
+    ``lm_head`` when ``tie_word_embeddings`` is false (the tiny pair trains tied; bench/lift_pair.py
+    writes untied)."""
 
     def __init__(self, cfg: dict) -> None:
         super().__init__()
-        if not cfg.get("tie_word_embeddings", False):
-            raise ValueError("Qwen3Target is written for tie_word_embeddings = true")
         self.cfg = cfg
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
         self.model.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg["num_hidden_layers"]))
         self.model.norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
+        if not cfg.get("tie_word_embeddings", False):
+            self.lm_head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
 
     @property
     def lm_weight(self) -> Tensor:
-        return self.model.embed_tokens.weight
+        head = getattr(self, "lm_head", None)
+        return self.model.embed_tokens.weight if head is None else head.weight
 
     def logits(self, h: Tensor) -> Tensor:
         return F.linear(h, self.lm_weight)
