@@ -129,9 +129,20 @@ def token_stream(tok, texts: list[str]) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- configs
+def model_vocab(a) -> int:
+    """The model's vocabulary: --vocab-size, else the tokenizer's --vocab."""
+    return a.vocab if a.vocab_size is None else a.vocab_size
+
+
+def compact_rows(a) -> int | None:
+    """Embedding rows trained when the model's vocabulary is larger than the tokenizer's: the
+    tokenizer's ids plus one row shared by every id it never emits (tiny_models.Qwen3Target)."""
+    return a.vocab + 1 if model_vocab(a) > a.vocab + 1 else None
+
+
 def target_config(a) -> dict:
     return {
-        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": a.vocab,
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": model_vocab(a),
         "hidden_size": a.hidden, "intermediate_size": a.inter, "num_hidden_layers": a.layers,
         "num_attention_heads": a.heads, "num_key_value_heads": a.kv_heads, "head_dim": a.head_dim,
         "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
@@ -160,7 +171,8 @@ def save_model(module: torch.nn.Module, cfg: dict, d: Path) -> None:
     from safetensors.torch import save_file
 
     d.mkdir(parents=True, exist_ok=True)
-    sd = {k: v.detach().to(torch.bfloat16).contiguous().cpu() for k, v in sorted(module.state_dict().items())}
+    state = module.full_state_dict() if hasattr(module, "full_state_dict") else module.state_dict()
+    sd = {k: v.detach().to(torch.bfloat16).contiguous().cpu() for k, v in sorted(state.items())}
     save_file(sd, str(d / "model.safetensors"), metadata={"format": "pt"})
     (d / "config.json").write_text(json.dumps(cfg, indent=1, sort_keys=True) + "\n")
 
@@ -192,7 +204,7 @@ def make_optimizer(model: torch.nn.Module, lr: float, wd: float, ctx: Ctx):
 
 def train_target(a, ctx: Ctx, cfg: dict, stream: torch.Tensor, deadline: float) -> tuple[tm.Qwen3Target, dict]:
     torch.manual_seed(a.seed)
-    model = tm.Qwen3Target(cfg)
+    model = tm.Qwen3Target(cfg, compact_rows(a))
     tm.init_weights(model, seed_gen=torch.Generator().manual_seed(a.seed + 10))
     model.to(ctx.device)
     opt = make_optimizer(model, a.target_lr, 0.1, ctx)
@@ -210,7 +222,7 @@ def train_target(a, ctx: Ctx, cfg: dict, stream: torch.Tensor, deadline: float) 
         batch = stream[starts[:, None] + offs]
         with ctx.autocast():
             logits, _ = model(batch[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, cfg["vocab_size"]), batch[:, 1:].reshape(-1))
+        loss = torch.nn.functional.cross_entropy(model.dist(logits).reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -230,7 +242,7 @@ def target_eval_loss(model, ctx: Ctx, stream: torch.Tensor, seq: int, n: int) ->
     batch = stream[starts[:, None] + torch.arange(seq + 1)].to(ctx.device)
     with ctx.autocast():
         logits, _ = model(batch[:, :-1])
-    return float(torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1)))
+    return float(torch.nn.functional.cross_entropy(model.dist(logits).reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1)))
 
 
 @torch.no_grad()
@@ -298,7 +310,7 @@ def train_drafter(a, ctx: Ctx, cfg: dict, target, seqs: torch.Tensor, deadline: 
             _, feats = target(ids, capture=tli)
         with ctx.autocast():
             logits = tm.draft_logits(drafter, target, ids, feats.detach(), anchors)
-        loss, acc = tm.dflash_loss(logits, ids, anchors, loss_mask[None].expand_as(ids), a.gamma)
+        loss, acc = tm.dflash_loss(logits, ids, anchors, loss_mask[None].expand_as(ids), a.gamma, dist=target.dist)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
@@ -377,7 +389,9 @@ def offline_acceptance(a, ctx: Ctx, target, drafter, z: torch.Tensor, p_len: int
         anc = anchors_all[i : i + a.eval_anchor_chunk][None].expand(b, -1).contiguous()
         with ctx.autocast():
             lg = tm.draft_logits(drafter, target, z, feats, anc)  # [b, n, L, V]
-        lp, tid = torch.log_softmax(lg.float(), dim=-1).topk(kk, dim=-1)
+        # log-probabilities over the model's whole vocabulary (target.dist: a compact vocabulary's
+        # shared row counts once per id it stands for in the normaliser, once in the top-k)
+        lp, tid = (lg.float() - target.dist(lg).logsumexp(-1, keepdim=True)).topk(kk, dim=-1)
         lps.append(lp)
         tids.append(tid)
     lp = torch.cat(lps, 1)  # [b, A, L, K]
@@ -415,7 +429,10 @@ def parse_args(argv=None):
     ap.add_argument("--stdlib", type=Path, default=None, help="corpus root (default: this Python's stdlib)")
     ap.add_argument("--max-files", type=int, default=None, help="first N files only (tests)")
     ap.add_argument("--held-frac", type=float, default=0.1)
-    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--vocab", type=int, default=4096, help="the tokenizer's vocabulary (BPE)")
+    ap.add_argument("--vocab-size", type=int, default=None,
+                    help="the model's vocabulary (default --vocab), e.g. 151936 for bench/lift_pair.py's Qwen3-8B shape: "
+                         "ids the tokenizer never emits share one trained row, so they are learned unlikely")
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--inter", type=int, default=768)
@@ -460,6 +477,9 @@ def main(argv=None) -> int:
         torch.backends.cuda.matmul.allow_tf32 = False
     else:
         torch.use_deterministic_algorithms(True)
+    if a.vocab_size is not None and a.vocab_size < a.vocab:
+        print(f"train_tiny_pair: --vocab-size {a.vocab_size} is below the tokenizer's --vocab {a.vocab}", file=sys.stderr)
+        return 2
     a.out.mkdir(parents=True, exist_ok=True)
     info: dict = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
                   "torch": torch.__version__, "python": sys.version.split()[0], "stages": {}}
