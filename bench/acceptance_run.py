@@ -102,7 +102,7 @@ class Server:
         """True once /health answers; sets error if the process died."""
         if self.startup_s is not None or self.error:
             return True
-        if self.proc.poll() is not None:
+        if self.proc is not None and self.proc.poll() is not None:
             self.error = f"server exited with {self.proc.returncode} (see {self.logpath.name})"
             return True
         try:
@@ -112,6 +112,14 @@ class Server:
             return True
         except Exception:
             return False
+
+    def verify_limit(self) -> str | None:
+        """The DDTREE server's logged verify-token rule (it depends on the memory free at its start)."""
+        try:
+            lines = [x for x in self.logpath.read_text(errors="replace").splitlines() if "DDTREE verify limit" in x]
+        except OSError:
+            return None
+        return lines[-1].strip()[-300:] if lines else None
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
@@ -205,6 +213,13 @@ def main() -> int:
     ap.add_argument("--exactness-only", action="store_true",
                     help="greedy equality check only (no timing levels); e.g. with --dtype float32 --pair DIR")
     ap.add_argument("--budget-s", type=float, default=540.0, help="whole-run deadline; levels left are skipped")
+    ap.add_argument("--ddtree-first", action="store_true",
+                    help="start the DDTREE servers first and the others once they are up: each DDTREE server sizes its "
+                         "verify forward from the memory free at its start, which servers sharing the GPU would take")
+    ap.add_argument("--keep-servers", action="store_true",
+                    help="leave the servers running at the end (their own sessions), for a next call with --attach")
+    ap.add_argument("--attach", action="store_true",
+                    help="measure servers already running at the ports (an earlier --keep-servers run); starts nothing")
     a = ap.parse_args()
     if a.common is None:
         a.common = COMMON_BY_PIN[a.pin]
@@ -213,7 +228,7 @@ def main() -> int:
     a.out.mkdir(parents=True, exist_ok=True)
     logdir = Path("/tmp/acceptance-logs")
     logdir.mkdir(parents=True, exist_ok=True)
-    for old in logdir.glob("*.log"):
+    for old in logdir.glob("*.log") if not a.attach else []:  # attached servers keep writing theirs
         old.unlink()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -248,10 +263,17 @@ def main() -> int:
             with tarfile.open(a.out / "logs.tgz", "w:gz") as tf:
                 tf.add(logdir, arcname="logs")
             return 1
-    for s in servers:
-        if s.proc is None:
-            s.start()
     exact: dict = {}
+    if a.attach:
+        wait_ready(servers, time.time() + 30)
+    elif a.ddtree_first:
+        first = [s for s in servers if s.name.startswith("DDTREE") and s.proc is None]
+        for s in first:
+            s.start()
+        wait_ready(first, min(deadline, time.time() + 300))
+    for s in servers:
+        if s.proc is None and not a.attach:
+            s.start()
     try:
         wait_ready(servers, min(deadline, time.time() + 420))
         prompts = B.load_prompts(pair / "prompts.jsonl")
@@ -300,6 +322,7 @@ def main() -> int:
             "driver": "bench/acceptance_run.py", "dtype": a.dtype, "temperatures": temps, "concurrency": levels,
             "offline": offline, "exactness_vs_first": exact, "skipped": skipped,
             "startup_s": {s.name: s.startup_s for s in servers}, "server_errors": {s.name: s.error for s in servers if s.error},
+            "verify_limits": {s.name: s.verify_limit() for s in servers if s.name.startswith("DDTREE")},
             "server_cmds": {s.name: " ".join(s.cmd) for s in servers},
             "train": {k: train[k] for k in ("stages", "seconds", "truncated", "bytes", "torch", "python")} if train else None,
             "seconds": round(time.time() - t_start, 1),
@@ -314,7 +337,8 @@ def main() -> int:
         print((a.out / "table.md").read_text())
     finally:
         for s in servers:
-            s.stop()
+            if not a.keep_servers:
+                s.stop()
         if a.pair is None and pair.exists():
             with tarfile.open(a.out / "pair.tgz", "w:gz") as tf:
                 for name in ("target", "draft", "prompts.jsonl", "eval.json", "split.json", "train_log.json"):

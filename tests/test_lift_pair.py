@@ -107,7 +107,7 @@ def _compare(small_pair: Path, big: Path, tol: float) -> None:
         b_logits, b_feats = bt(ids, capture=bd.target_layer_ids)
         torch.testing.assert_close(b_logits, s_logits, rtol=tol, atol=tol)
         # the features: each small context layer's residual, times c, in the first h coordinates
-        h, H = SMALL["hidden_size"], bt.cfg["hidden_size"]
+        h, H = st.cfg["hidden_size"], bt.cfg["hidden_size"]
         c = info["factors"]["residual_scale"]
         for q, s in enumerate(sd.target_layer_ids):
             p = bd.target_layer_ids.index(info["draft_context_ids"]["map"][str(s)])
