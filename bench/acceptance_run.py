@@ -91,6 +91,7 @@ class Server:
         self.t0 = 0.0
         self.startup_s: float | None = None
         self.error: str | None = None
+        self.attached = False  # --attach found it running (startup_s is then the time to answer)
 
     def start(self) -> None:
         self.t0 = time.time()
@@ -128,6 +129,19 @@ class Server:
                 self.proc.wait(20)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+def attached_mismatch(s: "Server") -> str | None:
+    """None when the server at s's port runs s's configuration (speculative algorithm and DDTREE
+    budget from /get_server_info), else why not: --attach must never measure one server under
+    another's name."""
+    info = B.server_info(s.url)
+    algo, budget = info.get("speculative_algorithm"), info.get("speculative_ddtree_budget")
+    want_algo = None if s.name == "plain" else s.name.split()[0]
+    want_budget = int(s.name.split()[1][1:]) if s.name.startswith("DDTREE ") else None
+    if algo != want_algo or (want_budget is not None and budget != want_budget):
+        return f"port {s.port} serves algorithm {algo} budget {budget}, not {s.name}"
+    return None
 
 
 def post(url: str, body: dict, timeout: float = 300) -> object:
@@ -219,7 +233,8 @@ def main() -> int:
     ap.add_argument("--keep-servers", action="store_true",
                     help="leave the servers running at the end (their own sessions), for a next call with --attach")
     ap.add_argument("--attach", action="store_true",
-                    help="measure servers already running at the ports (an earlier --keep-servers run); starts nothing")
+                    help="measure servers already running at the ports (an earlier --keep-servers run); starts only "
+                         "those not answering")
     a = ap.parse_args()
     if a.common is None:
         a.common = COMMON_BY_PIN[a.pin]
@@ -265,14 +280,25 @@ def main() -> int:
             return 1
     exact: dict = {}
     if a.attach:
+        for s in servers:
+            s.t0 = time.time()
         wait_ready(servers, time.time() + 30)
+        for s in servers:  # whatever answers at a port must be this configuration (its /get_server_info)
+            if s.startup_s is not None:
+                s.attached = True
+                why = attached_mismatch(s)
+                if why:
+                    log(f"{s.name}: {why}")
+                    (a.out / "results.json").write_text(json.dumps({"ok": False, "error": f"{s.name}: {why}"}) + "\n")
+                    return 2
     elif a.ddtree_first:
         first = [s for s in servers if s.name.startswith("DDTREE") and s.proc is None]
         for s in first:
             s.start()
         wait_ready(first, min(deadline, time.time() + 300))
     for s in servers:
-        if s.proc is None and not a.attach:
+        if s.proc is None and (not a.attach or s.startup_s is None):
+            s.error = None  # --attach: a server not answering at its port is started here
             s.start()
     try:
         wait_ready(servers, min(deadline, time.time() + 420))
@@ -316,7 +342,10 @@ def main() -> int:
                     lv = r.levels[-1]
                     log(f"{s.name} T={t:g} c={c}: {lv.output_tokens_per_s} tok/s, accept {lv.accept_length}, "
                         f"round {lv.per_round_ms} ms, p50 {lv.latency_p50_ms} ms, errors {len(lv.errors)}")
-                r.server = B.server_info(s.url)
+                try:
+                    r.server = B.server_info(s.url)
+                except Exception as exc:  # a server that died mid-run: its levels carry the errors
+                    s.error = s.error or f"server_info failed: {exc}"
                 results.append(r)
         doc = B.report(results, B.Sampling(max_new_tokens=a.max_new_tokens), {
             "driver": "bench/acceptance_run.py", "dtype": a.dtype, "temperatures": temps, "concurrency": levels,
