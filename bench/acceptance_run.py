@@ -352,7 +352,7 @@ def main() -> int:
             "offline": offline, "exactness_vs_first": exact, "skipped": skipped,
             "startup_s": {s.name: s.startup_s for s in servers}, "server_errors": {s.name: s.error for s in servers if s.error},
             "verify_limits": {s.name: s.verify_limit() for s in servers if s.name.startswith("DDTREE")},
-            "server_cmds": {s.name: " ".join(s.cmd) for s in servers},
+            "server_cmds": {s.name: "attached: started by an earlier run" if s.attached else " ".join(s.cmd) for s in servers},
             "train": {k: train[k] for k in ("stages", "seconds", "truncated", "bytes", "torch", "python")} if train else None,
             "seconds": round(time.time() - t_start, 1),
         })
