@@ -1,7 +1,12 @@
 #!/usr/bin/env python3
 """Train a tiny Qwen3 target + DFlash drafter pair from scratch, offline, deterministically from a seed.
 
-    python3 bench/train_tiny_pair.py --out /tmp/pair [--seed 0] [--device cuda]
+    python3 bench/train_tiny_pair.py --out /tmp/pair [--seed 0] [--device cuda] [--preset lift-b]
+
+``--preset`` picks named defaults (PRESETS below: ``issue11``, the argument defaults; ``lift-a/b/c``
+for bench/lift_pair.py's Qwen3-8B shape). ``--vocab-size N`` trains the model at a vocabulary
+larger than the tokenizer's (151936 for the lift): the ids the tokenizer never emits share one
+trained row, counted once per id in every softmax, and the checkpoint repeats it to N rows.
 
 Stages (timings in OUT/train_log.json):
 
