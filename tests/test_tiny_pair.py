@@ -176,6 +176,21 @@ def test_training_blocks_see_only_context_before_the_anchor(pair):
                 torch.testing.assert_close(batched[b, n], alone, rtol=1e-5, atol=1e-5)
 
 
+def test_time_guard_lays_the_schedule_over_the_steps_that_fit(monkeypatch):
+    """fit_steps: after PROBE_STEPS steps, a loop whose rate leaves room for fewer steps than
+    planned gets the schedule over 97% of what fits (so its LR still reaches 0 by the guard); one
+    with room keeps its steps; no change at any other step."""
+    now = [100.0]
+    monkeypatch.setattr(ttp.time, "time", lambda: now[0])
+    t0, deadline = 0.0, 200.0  # 20 steps took 100 s: 0.2 steps/s, 100 s left -> 20 more steps fit
+    assert ttp.fit_steps(ttp.PROBE_STEPS, 1000, t0, deadline) == ttp.PROBE_STEPS + int(0.97 * 0.2 * 100)
+    assert ttp.fit_steps(ttp.PROBE_STEPS, 30, t0, deadline) == 30
+    assert ttp.fit_steps(ttp.PROBE_STEPS + 1, 1000, t0, deadline) == 1000
+    assert ttp.fit_steps(5, 1000, t0, deadline) == 1000
+    lrs = [tm.cosine_lr(s, 39, 1.0, 0.04) for s in range(39)]
+    assert lrs[-1] < 0.01 and max(lrs) <= 1.0
+
+
 def test_loss_labels_are_unshifted_and_decay_weighted():
     """Slot k is labelled ids[a+k]; a model that puts all mass on exactly those labels has zero loss,
     and one that is wrong only at slot 1 has the loss of slot 1 times its weight share."""
