@@ -91,6 +91,7 @@ class Server:
         self.t0 = 0.0
         self.startup_s: float | None = None
         self.error: str | None = None
+        self.attached = False  # --attach found it running (startup_s is then the time to answer)
 
     def start(self) -> None:
         self.t0 = time.time()
@@ -102,7 +103,7 @@ class Server:
         """True once /health answers; sets error if the process died."""
         if self.startup_s is not None or self.error:
             return True
-        if self.proc.poll() is not None:
+        if self.proc is not None and self.proc.poll() is not None:
             self.error = f"server exited with {self.proc.returncode} (see {self.logpath.name})"
             return True
         try:
@@ -113,6 +114,14 @@ class Server:
         except Exception:
             return False
 
+    def verify_limit(self) -> str | None:
+        """The DDTREE server's logged verify-token rule (it depends on the memory free at its start)."""
+        try:
+            lines = [x for x in self.logpath.read_text(errors="replace").splitlines() if "DDTREE verify limit" in x]
+        except OSError:
+            return None
+        return lines[-1].strip()[-300:] if lines else None
+
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
@@ -120,6 +129,19 @@ class Server:
                 self.proc.wait(20)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+def attached_mismatch(s: "Server") -> str | None:
+    """None when the server at s's port runs s's configuration (speculative algorithm and DDTREE
+    budget from /get_server_info), else why not: --attach must never measure one server under
+    another's name."""
+    info = B.server_info(s.url)
+    algo, budget = info.get("speculative_algorithm"), info.get("speculative_ddtree_budget")
+    want_algo = None if s.name == "plain" else s.name.split()[0]
+    want_budget = int(s.name.split()[1][1:]) if s.name.startswith("DDTREE ") else None
+    if algo != want_algo or (want_budget is not None and budget != want_budget):
+        return f"port {s.port} serves algorithm {algo} budget {budget}, not {s.name}"
+    return None
 
 
 def post(url: str, body: dict, timeout: float = 300) -> object:
@@ -205,6 +227,14 @@ def main() -> int:
     ap.add_argument("--exactness-only", action="store_true",
                     help="greedy equality check only (no timing levels); e.g. with --dtype float32 --pair DIR")
     ap.add_argument("--budget-s", type=float, default=540.0, help="whole-run deadline; levels left are skipped")
+    ap.add_argument("--ddtree-first", action="store_true",
+                    help="start the DDTREE servers first and the others once they are up: each DDTREE server sizes its "
+                         "verify forward from the memory free at its start, which servers sharing the GPU would take")
+    ap.add_argument("--keep-servers", action="store_true",
+                    help="leave the servers running at the end (their own sessions), for a next call with --attach")
+    ap.add_argument("--attach", action="store_true",
+                    help="measure servers already running at the ports (an earlier --keep-servers run); starts only "
+                         "those not answering")
     a = ap.parse_args()
     if a.common is None:
         a.common = COMMON_BY_PIN[a.pin]
@@ -213,7 +243,7 @@ def main() -> int:
     a.out.mkdir(parents=True, exist_ok=True)
     logdir = Path("/tmp/acceptance-logs")
     logdir.mkdir(parents=True, exist_ok=True)
-    for old in logdir.glob("*.log"):
+    for old in logdir.glob("*.log") if not a.attach else []:  # attached servers keep writing theirs
         old.unlink()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -248,10 +278,28 @@ def main() -> int:
             with tarfile.open(a.out / "logs.tgz", "w:gz") as tf:
                 tf.add(logdir, arcname="logs")
             return 1
-    for s in servers:
-        if s.proc is None:
-            s.start()
     exact: dict = {}
+    if a.attach:
+        for s in servers:
+            s.t0 = time.time()
+        wait_ready(servers, time.time() + 30)
+        for s in servers:  # whatever answers at a port must be this configuration (its /get_server_info)
+            if s.startup_s is not None:
+                s.attached = True
+                why = attached_mismatch(s)
+                if why:
+                    log(f"{s.name}: {why}")
+                    (a.out / "results.json").write_text(json.dumps({"ok": False, "error": f"{s.name}: {why}"}) + "\n")
+                    return 2
+    elif a.ddtree_first:
+        first = [s for s in servers if s.name.startswith("DDTREE") and s.proc is None]
+        for s in first:
+            s.start()
+        wait_ready(first, min(deadline, time.time() + 300))
+    for s in servers:
+        if s.proc is None and (not a.attach or s.startup_s is None):
+            s.error = None  # --attach: a server not answering at its port is started here
+            s.start()
     try:
         wait_ready(servers, min(deadline, time.time() + 420))
         prompts = B.load_prompts(pair / "prompts.jsonl")
@@ -294,13 +342,17 @@ def main() -> int:
                     lv = r.levels[-1]
                     log(f"{s.name} T={t:g} c={c}: {lv.output_tokens_per_s} tok/s, accept {lv.accept_length}, "
                         f"round {lv.per_round_ms} ms, p50 {lv.latency_p50_ms} ms, errors {len(lv.errors)}")
-                r.server = B.server_info(s.url)
+                try:
+                    r.server = B.server_info(s.url)
+                except Exception as exc:  # a server that died mid-run: its levels carry the errors
+                    s.error = s.error or f"server_info failed: {exc}"
                 results.append(r)
         doc = B.report(results, B.Sampling(max_new_tokens=a.max_new_tokens), {
             "driver": "bench/acceptance_run.py", "dtype": a.dtype, "temperatures": temps, "concurrency": levels,
             "offline": offline, "exactness_vs_first": exact, "skipped": skipped,
             "startup_s": {s.name: s.startup_s for s in servers}, "server_errors": {s.name: s.error for s in servers if s.error},
-            "server_cmds": {s.name: " ".join(s.cmd) for s in servers},
+            "verify_limits": {s.name: s.verify_limit() for s in servers if s.name.startswith("DDTREE")},
+            "server_cmds": {s.name: "attached: started by an earlier run" if s.attached else " ".join(s.cmd) for s in servers},
             "train": {k: train[k] for k in ("stages", "seconds", "truncated", "bytes", "torch", "python")} if train else None,
             "seconds": round(time.time() - t_start, 1),
         })
@@ -314,7 +366,8 @@ def main() -> int:
         print((a.out / "table.md").read_text())
     finally:
         for s in servers:
-            s.stop()
+            if not a.keep_servers:
+                s.stop()
         if a.pair is None and pair.exists():
             with tarfile.open(a.out / "pair.tgz", "w:gz") as tf:
                 for name in ("target", "draft", "prompts.jsonl", "eval.json", "split.json", "train_log.json"):

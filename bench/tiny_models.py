@@ -119,24 +119,54 @@ def init_weights(module: nn.Module, std: float = 0.02, seed_gen: torch.Generator
 
 
 class Qwen3Target(nn.Module):
-    """HF Qwen3ForCausalLM with tied embeddings: ``model.embed_tokens``, ``model.layers.i.*``, ``model.norm``."""
+    """HF Qwen3ForCausalLM: ``model.embed_tokens``, ``model.layers.i.*``, ``model.norm``, and
+    ``lm_head`` when ``tie_word_embeddings`` is false (the tiny pair trains tied; bench/lift_pair.py
+    writes untied)."""
 
-    def __init__(self, cfg: dict) -> None:
+    def __init__(self, cfg: dict, rows: int | None = None) -> None:
+        """``rows`` < ``cfg["vocab_size"]``: the compact form of a vocabulary whose ids ``rows - 1 ..
+        vocab_size - 1`` (never emitted by the tokenizer) share one embedding row, the last: their
+        logits are equal, so a distribution over the full vocabulary is :meth:`dist` of the
+        ``rows`` logits (the last one counted ``vocab_size - rows + 1`` times)."""
         super().__init__()
-        if not cfg.get("tie_word_embeddings", False):
-            raise ValueError("Qwen3Target is written for tie_word_embeddings = true")
         self.cfg = cfg
+        n = cfg["vocab_size"] if rows is None else rows
+        if not 1 <= n <= cfg["vocab_size"]:
+            raise ValueError(f"rows {n} must be in 1..vocab_size {cfg['vocab_size']}")
+        self.log_shared = math.log(cfg["vocab_size"] - n + 1) if n < cfg["vocab_size"] else 0.0
         self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
+        self.model.embed_tokens = nn.Embedding(n, cfg["hidden_size"])
         self.model.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg["num_hidden_layers"]))
         self.model.norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
+        if not cfg.get("tie_word_embeddings", False):
+            self.lm_head = nn.Linear(cfg["hidden_size"], n, bias=False)
 
     @property
     def lm_weight(self) -> Tensor:
-        return self.model.embed_tokens.weight
+        head = getattr(self, "lm_head", None)
+        return self.model.embed_tokens.weight if head is None else head.weight
 
     def logits(self, h: Tensor) -> Tensor:
         return F.linear(h, self.lm_weight)
+
+    def dist(self, logits: Tensor) -> Tensor:
+        """Logits -> the full vocabulary's softmax inputs (float32): the shared last row's logit
+        + log(its id count), so softmax / cross-entropy / logsumexp over them are the full
+        vocabulary's (the last entry is then the mass of all unused ids). Identity when not compact."""
+        z = logits.float()
+        if self.log_shared:
+            z = torch.cat([z[..., :-1], z[..., -1:] + self.log_shared], dim=-1)
+        return z
+
+    def full_state_dict(self) -> dict[str, Tensor]:
+        """state_dict() with the shared row repeated up to vocab_size (what a checkpoint holds)."""
+        sd = self.state_dict()
+        v = self.cfg["vocab_size"]
+        for k in ("model.embed_tokens.weight", "lm_head.weight"):
+            if k in sd and sd[k].shape[0] < v:
+                w = sd[k]
+                sd[k] = torch.cat([w, w[-1:].expand(v - w.shape[0], -1)], dim=0)
+        return sd
 
     def forward(self, ids: Tensor, capture: tuple[int, ...] = (), kv_cache: list | None = None, pos0: int = 0):
         """ids [b, t] -> (logits [b, t, V], captured [b, t, len(capture)*H] or None).
@@ -198,7 +228,10 @@ class Qwen3Target(nn.Module):
             if temperature == 0.0:
                 nxt = last.argmax(-1)
             else:
-                probs = torch.softmax(last / temperature, dim=-1)
+                z = last / temperature
+                if self.log_shared:  # the shared row stands for vocab_size - rows + 1 ids at any temperature
+                    z = torch.cat([z[:, :-1], z[:, -1:] + self.log_shared], dim=-1)
+                probs = torch.softmax(z, dim=-1)
                 nxt = torch.multinomial(probs, 1, generator=generator)[:, 0]
             out.append(nxt)
             if step + 1 < n_new:
@@ -284,9 +317,11 @@ def draft_logits(drafter: DFlashDrafter, target: Qwen3Target, ids: Tensor, feats
     return target.logits(h)
 
 
-def dflash_loss(logits: Tensor, ids: Tensor, anchors: Tensor, loss_mask: Tensor, gamma: float) -> tuple[Tensor, Tensor]:
+def dflash_loss(logits: Tensor, ids: Tensor, anchors: Tensor, loss_mask: Tensor, gamma: float,
+                dist=None) -> tuple[Tensor, Tensor]:
     """Weighted CE over slots 1..B-1 (weight exp(-(k-1)/gamma); labels ids[a+k], masked past the
-    sequence or where loss_mask is 0). Returns (loss, top-1 accuracy per slot [B-1])."""
+    sequence or where loss_mask is 0). ``dist``: the target's :meth:`Qwen3Target.dist` for a
+    compact vocabulary (the CE is the full vocabulary's). Returns (loss, top-1 accuracy per slot [B-1])."""
     b, n, l, v = logits.shape
     s = ids.shape[1]
     k = torch.arange(1, l + 1, device=ids.device)
@@ -296,7 +331,8 @@ def dflash_loss(logits: Tensor, ids: Tensor, anchors: Tensor, loss_mask: Tensor,
     labels = torch.gather(ids, 1, posc.view(b, -1)).view(b, n, l)
     valid = inside & torch.gather(loss_mask, 1, posc.view(b, -1)).view(b, n, l).bool()
     w = torch.exp(-(k - 1).float() / gamma)[None, None, :] * valid.float()
-    ce = F.cross_entropy(logits.float().reshape(-1, v), labels.reshape(-1), reduction="none").view(b, n, l)
+    z = logits.float() if dist is None else dist(logits)
+    ce = F.cross_entropy(z.reshape(-1, v), labels.reshape(-1), reduction="none").view(b, n, l)
     loss = (ce * w).sum() / w.sum().clamp_min(1e-9)
     with torch.no_grad():
         hit = (logits.argmax(-1) == labels) & valid

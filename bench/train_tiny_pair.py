@@ -1,7 +1,12 @@
 #!/usr/bin/env python3
 """Train a tiny Qwen3 target + DFlash drafter pair from scratch, offline, deterministically from a seed.
 
-    python3 bench/train_tiny_pair.py --out /tmp/pair [--seed 0] [--device cuda]
+    python3 bench/train_tiny_pair.py --out /tmp/pair [--seed 0] [--device cuda] [--preset lift-b]
+
+``--preset`` picks named defaults (PRESETS below: ``issue11``, the argument defaults; ``lift-a/b/c``
+for bench/lift_pair.py's Qwen3-8B shape). ``--vocab-size N`` trains the model at a vocabulary
+larger than the tokenizer's (151936 for the lift): the ids the tokenizer never emits share one
+trained row, counted once per id in every softmax, and the checkpoint repeats it to N rows.
 
 Stages (timings in OUT/train_log.json):
 
@@ -129,9 +134,20 @@ def token_stream(tok, texts: list[str]) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- configs
+def model_vocab(a) -> int:
+    """The model's vocabulary: --vocab-size, else the tokenizer's --vocab."""
+    return a.vocab if a.vocab_size is None else a.vocab_size
+
+
+def compact_rows(a) -> int | None:
+    """Embedding rows trained when the model's vocabulary is larger than the tokenizer's: the
+    tokenizer's ids plus one row shared by every id it never emits (tiny_models.Qwen3Target)."""
+    return a.vocab + 1 if model_vocab(a) > a.vocab + 1 else None
+
+
 def target_config(a) -> dict:
     return {
-        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": a.vocab,
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": model_vocab(a),
         "hidden_size": a.hidden, "intermediate_size": a.inter, "num_hidden_layers": a.layers,
         "num_attention_heads": a.heads, "num_key_value_heads": a.kv_heads, "head_dim": a.head_dim,
         "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
@@ -160,7 +176,8 @@ def save_model(module: torch.nn.Module, cfg: dict, d: Path) -> None:
     from safetensors.torch import save_file
 
     d.mkdir(parents=True, exist_ok=True)
-    sd = {k: v.detach().to(torch.bfloat16).contiguous().cpu() for k, v in sorted(module.state_dict().items())}
+    state = module.full_state_dict() if hasattr(module, "full_state_dict") else module.state_dict()
+    sd = {k: v.detach().to(torch.bfloat16).contiguous().cpu() for k, v in sorted(state.items())}
     save_file(sd, str(d / "model.safetensors"), metadata={"format": "pt"})
     (d / "config.json").write_text(json.dumps(cfg, indent=1, sort_keys=True) + "\n")
 
@@ -190,9 +207,27 @@ def make_optimizer(model: torch.nn.Module, lr: float, wd: float, ctx: Ctx):
                              lr=lr, betas=(0.9, 0.95), **kw)
 
 
+PROBE_STEPS = 20
+
+
+def fit_steps(step: int, total: int, t0: float, deadline: float) -> int:
+    """After PROBE_STEPS steps, the steps the time guard leaves room for at the rate so far (97%),
+    if fewer than planned: the learning-rate schedule is then laid over those, so a run the guard
+    would cut still anneals to 0. A run with room for all its steps keeps them (and stays
+    bit-reproducible); a capped one depends on the machine's speed (logged, in train_log.json)."""
+    if step != PROBE_STEPS or total <= PROBE_STEPS:
+        return total
+    rate = step / max(1e-9, time.time() - t0)
+    room = step + int(0.97 * rate * max(0.0, deadline - time.time()))
+    if room < total:
+        log(f"time guard: {total} steps do not fit, the schedule is laid over {room}")
+        return max(room, step + 1)
+    return total
+
+
 def train_target(a, ctx: Ctx, cfg: dict, stream: torch.Tensor, deadline: float) -> tuple[tm.Qwen3Target, dict]:
     torch.manual_seed(a.seed)
-    model = tm.Qwen3Target(cfg)
+    model = tm.Qwen3Target(cfg, compact_rows(a))
     tm.init_weights(model, seed_gen=torch.Generator().manual_seed(a.seed + 10))
     model.to(ctx.device)
     opt = make_optimizer(model, a.target_lr, 0.1, ctx)
@@ -200,27 +235,30 @@ def train_target(a, ctx: Ctx, cfg: dict, stream: torch.Tensor, deadline: float) 
     seq = a.seq_len
     offs = torch.arange(seq + 1, device=ctx.device)
     hist, t0, done = [], time.time(), 0
+    total = a.target_steps
     for step in range(a.target_steps):
-        if time.time() > deadline:
+        total = fit_steps(step, total, t0, deadline)
+        if step >= total or time.time() > deadline:
             log(f"target: time limit reached at step {step}/{a.target_steps}")
             break
         for grp in opt.param_groups:
-            grp["lr"] = tm.cosine_lr(step, a.target_steps, a.target_lr, 0.04)
+            grp["lr"] = tm.cosine_lr(step, total, a.target_lr, 0.04)
         starts = ctx.randint(stream.numel() - seq - 1, (a.target_batch,))
         batch = stream[starts[:, None] + offs]
         with ctx.autocast():
             logits, _ = model(batch[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, cfg["vocab_size"]), batch[:, 1:].reshape(-1))
+        loss = torch.nn.functional.cross_entropy(model.dist(logits).reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         done = step + 1
-        if step % max(1, a.target_steps // 20) == 0 or step + 1 == a.target_steps:
+        if step % max(1, a.target_steps // 20) == 0 or step + 1 == total:
             hist.append((step, round(loss.item(), 4)))
             log(f"target step {step} loss {loss.item():.3f} ({time.time() - t0:.0f}s)")
     model.eval()
-    return model, {"steps_done": done, "steps": a.target_steps, "loss_curve": hist, "seconds": round(time.time() - t0, 1)}
+    return model, {"steps_done": done, "steps": a.target_steps, "schedule_steps": total, "loss_curve": hist,
+                   "seconds": round(time.time() - t0, 1)}
 
 
 @torch.no_grad()
@@ -230,7 +268,7 @@ def target_eval_loss(model, ctx: Ctx, stream: torch.Tensor, seq: int, n: int) ->
     batch = stream[starts[:, None] + torch.arange(seq + 1)].to(ctx.device)
     with ctx.autocast():
         logits, _ = model(batch[:, :-1])
-    return float(torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1)))
+    return float(torch.nn.functional.cross_entropy(model.dist(logits).reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1)))
 
 
 @torch.no_grad()
@@ -286,29 +324,31 @@ def train_drafter(a, ctx: Ctx, cfg: dict, target, seqs: torch.Tensor, deadline: 
     loss_mask[a.prompt_len :] = 1
     tli = tuple(cfg["dflash_config"]["target_layer_ids"])
     hist, t0, done, acc = [], time.time(), 0, None
+    total = a.draft_steps
     for step in range(a.draft_steps):
-        if time.time() > deadline:
+        total = fit_steps(step, total, t0, deadline)
+        if step >= total or time.time() > deadline:
             log(f"drafter: time limit reached at step {step}/{a.draft_steps}")
             break
         for grp in opt.param_groups:
-            grp["lr"] = tm.cosine_lr(step, a.draft_steps, a.draft_lr, 0.04)
+            grp["lr"] = tm.cosine_lr(step, total, a.draft_lr, 0.04)
         ids = seqs[ctx.randint(seqs.shape[0], (a.draft_batch,))]
         anchors = sample_anchors(ctx, ids.shape[0], a.prompt_len, s - 2, a.anchors)
         with torch.no_grad(), ctx.autocast():
             _, feats = target(ids, capture=tli)
         with ctx.autocast():
             logits = tm.draft_logits(drafter, target, ids, feats.detach(), anchors)
-        loss, acc = tm.dflash_loss(logits, ids, anchors, loss_mask[None].expand_as(ids), a.gamma)
+        loss, acc = tm.dflash_loss(logits, ids, anchors, loss_mask[None].expand_as(ids), a.gamma, dist=target.dist)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
         opt.step()
         done = step + 1
-        if step % max(1, a.draft_steps // 20) == 0 or step + 1 == a.draft_steps:
+        if step % max(1, a.draft_steps // 20) == 0 or step + 1 == total:
             hist.append((step, round(loss.item(), 4), [round(x, 3) for x in acc.tolist()[:4]]))
             log(f"drafter step {step} loss {loss.item():.3f} acc@1..4 {[round(x, 2) for x in acc.tolist()[:4]]} ({time.time() - t0:.0f}s)")
     drafter.eval()
-    return drafter, {"steps_done": done, "steps": a.draft_steps, "loss_curve": hist,
+    return drafter, {"steps_done": done, "steps": a.draft_steps, "schedule_steps": total, "loss_curve": hist,
                      "final_slot_acc": [round(x, 4) for x in acc.tolist()] if acc is not None else None,
                      "seconds": round(time.time() - t0, 1)}
 
@@ -377,7 +417,9 @@ def offline_acceptance(a, ctx: Ctx, target, drafter, z: torch.Tensor, p_len: int
         anc = anchors_all[i : i + a.eval_anchor_chunk][None].expand(b, -1).contiguous()
         with ctx.autocast():
             lg = tm.draft_logits(drafter, target, z, feats, anc)  # [b, n, L, V]
-        lp, tid = torch.log_softmax(lg.float(), dim=-1).topk(kk, dim=-1)
+        # log-probabilities over the model's whole vocabulary (target.dist: a compact vocabulary's
+        # shared row counts once per id it stands for in the normaliser, once in the top-k)
+        lp, tid = (lg.float() - target.dist(lg).logsumexp(-1, keepdim=True)).topk(kk, dim=-1)
         lps.append(lp)
         tids.append(tid)
     lp = torch.cat(lps, 1)  # [b, A, L, K]
@@ -407,15 +449,36 @@ def offline_acceptance(a, ctx: Ctx, target, drafter, z: torch.Tensor, p_len: int
 
 
 # ---------------------------------------------------------------- main
+# Named settings (--preset): defaults for the arguments below; an argument given explicitly wins.
+# "issue11": the pair of issue 11 (the argument defaults). The "lift-*" presets train for
+# bench/lift_pair.py's Qwen3-8B shape: vocabulary 151936, 8 query / 2 KV heads of head_dim 32 (so
+# every lift factor is a power of two and the bf16 lift rounds nothing), and a stronger drafter;
+# they differ in how long the target trains (its overfitting of the 2.9 M-token corpus) and in the
+# drafter's depth and context layers.
+_LIFT = {"vocab_size": 151936, "heads": 8, "kv_heads": 2, "head_dim": 32, "draft_inter": 768, "sample_frac": 0.1,
+         "draft_steps": 6000}
+PRESETS: dict[str, dict] = {
+    "issue11": {},
+    "lift-a": dict(_LIFT, target_steps=500, draft_layers=3),
+    "lift-b": dict(_LIFT, target_steps=300, draft_layers=4, target_layer_ids="0,1,2,3,4"),
+    "lift-c": dict(_LIFT, target_steps=1500, draft_layers=4, target_layer_ids="0,1,2,3,4"),
+}
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="issue11", choices=sorted(PRESETS),
+                    help="named defaults for the arguments below (explicit arguments win)")
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--stdlib", type=Path, default=None, help="corpus root (default: this Python's stdlib)")
     ap.add_argument("--max-files", type=int, default=None, help="first N files only (tests)")
     ap.add_argument("--held-frac", type=float, default=0.1)
-    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--vocab", type=int, default=4096, help="the tokenizer's vocabulary (BPE)")
+    ap.add_argument("--vocab-size", type=int, default=None,
+                    help="the model's vocabulary (default --vocab), e.g. 151936 for bench/lift_pair.py's Qwen3-8B shape: "
+                         "ids the tokenizer never emits share one trained row, so they are learned unlikely")
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--inter", type=int, default=768)
@@ -447,6 +510,8 @@ def parse_args(argv=None):
     ap.add_argument("--bench-prompts", type=int, default=64, help="held-out prompts written to OUT/prompts.jsonl")
     ap.add_argument("--time-limit", type=float, default=420.0,
                     help="seconds; a training loop that would run past it stops early (recorded as truncated)")
+    pre, _ = ap.parse_known_args(argv)
+    ap.set_defaults(**PRESETS[pre.preset])
     return ap.parse_args(argv)
 
 
@@ -460,6 +525,9 @@ def main(argv=None) -> int:
         torch.backends.cuda.matmul.allow_tf32 = False
     else:
         torch.use_deterministic_algorithms(True)
+    if a.vocab_size is not None and a.vocab_size < a.vocab:
+        print(f"train_tiny_pair: --vocab-size {a.vocab_size} is below the tokenizer's --vocab {a.vocab}", file=sys.stderr)
+        return 2
     a.out.mkdir(parents=True, exist_ok=True)
     info: dict = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
                   "torch": torch.__version__, "python": sys.version.split()[0], "stages": {}}

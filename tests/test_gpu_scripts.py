@@ -75,3 +75,46 @@ def test_round_cost_table_compares_every_ddtree_server_with_dflash_of_the_same_r
     # a server that never came up is named, not a crash of the table
     assert "- not measured: ddtree_b63 (server not ready)" in lines
     assert rc.SERVER_ENV["ddtree_b15_ext"] == {"SGLANG_DDTREE_TREE_ATTENTION": "0"}
+
+
+def test_acceptance_run_attach_refuses_a_server_of_another_configuration(tmp_path):
+    """bench/acceptance_run.py --attach measures servers already running at its ports; a port
+    that answers with another configuration (here budget 15 where DDTREE b255 belongs, as
+    happened in a device run) is refused before anything is measured (exit 2, the reason in
+    results.json). The servers are TEST DOUBLES (tests/bench_fake_sglang.py): SGLang needs a GPU."""
+    import json
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from bench_fake_sglang import FakeSGLang
+
+    fakes = [FakeSGLang(), FakeSGLang("DFLASH", accept=3), FakeSGLang("DDTREE", accept=4, budget=15)]
+    base = None
+    for cand in range(34100, 60000, 7):  # the driver's ports are port_base + i: three free in a row
+        started = []
+        try:
+            for i, f in enumerate(fakes):
+                f.serve(cand + i)
+                started.append(f)
+            base = cand
+            break
+        except OSError:
+            for f in started:
+                f.stop()
+    assert base is not None
+    try:
+        pair = tmp_path / "pair"
+        pair.mkdir()
+        (pair / "prompts.jsonl").write_text(json.dumps({"input_ids": [5, 6, 7]}) + "\n")
+        out = tmp_path / "out"
+        root = Path(__file__).resolve().parents[1]
+        r = subprocess.run([sys.executable, str(root / "bench" / "acceptance_run.py"), "--out", str(out),
+                            "--pair", str(pair), "--budgets", "255", "--attach", "--port-base", str(base),
+                            "--concurrency", "1"], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2, r.stderr[-2000:]
+        res = json.loads((out / "results.json").read_text())
+        assert res["ok"] is False and "serves algorithm DDTREE budget 15, not DDTREE b255" in res["error"]
+        assert all(f.count == 0 for f in fakes)  # nothing was generated
+    finally:
+        for f in fakes:
+            f.stop()

@@ -20,7 +20,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 import tiny_models as tm  # noqa: E402
 import train_tiny_pair as ttp  # noqa: E402
 
-MICRO = ["--device", "cpu", "--max-files", "12", "--vocab", "300", "--hidden", "32", "--layers", "3",
+# --vocab-size 512 > the tokenizer's 300: the compact vocabulary path (ids 300..511 share one row)
+MICRO = ["--device", "cpu", "--max-files", "12", "--vocab", "300", "--vocab-size", "512", "--hidden", "32", "--layers", "3",
          "--inter", "64", "--heads", "2", "--kv-heads", "1", "--head-dim", "16", "--seq-len", "32",
          "--target-steps", "3", "--target-batch", "4", "--draft-layers", "1", "--draft-inter", "32",
          "--block-size", "4", "--target-layer-ids", "0,1", "--draft-prompts", "8", "--prompt-len", "8",
@@ -106,6 +107,42 @@ def test_target_loads_with_transformers_and_gives_our_logits(pair):
     assert tok.eos_token_id == ttp.EOS_ID
 
 
+def test_model_vocabulary_past_the_tokenizer_is_one_shared_row_and_exact(pair):
+    """--vocab-size 512 with a 300-token tokenizer: the checkpoint has 512 rows, ids 300..511 equal
+    (they were trained as one row); the compact model's distribution (tiny_models.Qwen3Target.dist,
+    what training and the offline evaluation use) is transformers' softmax over all 512 logits."""
+    from safetensors.torch import load_file
+    from transformers import Qwen3ForCausalLM
+
+    sd = load_file(str(pair / "target" / "model.safetensors"))
+    emb = sd["model.embed_tokens.weight"]
+    tcfg = json.loads((pair / "target" / "config.json").read_text())
+    assert tcfg["vocab_size"] == 512 and emb.shape[0] == 512
+    assert torch.equal(emb[300:], emb[300:301].expand(212, -1)) and not torch.equal(emb[299], emb[300])
+    compact = tm.Qwen3Target(tcfg, rows=301)
+    compact.load_state_dict({k: (v[:301] if k == "model.embed_tokens.weight" else v).float() for k, v in sd.items()})
+    hf = Qwen3ForCausalLM.from_pretrained(str(pair / "target"), dtype=torch.float32).eval()
+    ids = torch.tensor([json.loads(x)["input_ids"] for x in (pair / "prompts.jsonl").read_text().splitlines()])
+    with torch.no_grad():
+        full = torch.log_softmax(hf(ids).logits, -1)
+        z = compact.dist(compact(ids)[0])
+    got = torch.log_softmax(z, -1)
+    torch.testing.assert_close(got[..., :300], full[..., :300], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got[..., 300], full[..., 300:].logsumexp(-1), rtol=1e-4, atol=1e-4)
+    # sampling at T = 1 from the compact model draws the shared row with the 212 ids' total mass
+    g = torch.Generator().manual_seed(0)
+    tiny = dict(tcfg, vocab_size=4, hidden_size=4, intermediate_size=4, num_hidden_layers=0, num_attention_heads=1,
+                num_key_value_heads=1, head_dim=4)
+    m = tm.Qwen3Target(tiny, rows=2)  # ids 1, 2, 3 share row 1
+    with torch.no_grad():
+        m.model.embed_tokens.weight.copy_(torch.tensor([[1.0, 0, 0, 0], [0.0, 1, 0, 0]]))
+        m.model.norm.weight.fill_(1.0)
+        draws = m.generate(torch.zeros(4000, 1, dtype=torch.long), 1, temperature=1.0, generator=g)
+    h = torch.tensor([[1.0, 0, 0, 0]]) * 2.0  # the normed embedding of id 0 (rms 0.5)
+    p_shared = 3 * torch.exp(h[0, 1]) / (torch.exp(h[0, 0]) + 3 * torch.exp(h[0, 1]))
+    assert abs(float((draws == 1).float().mean()) - float(p_shared)) < 0.03
+
+
 def test_kv_cached_generation_equals_full_forward_argmax(pair):
     target, _ = _load_ours(pair)
     prompts = torch.tensor([json.loads(x)["input_ids"] for x in (pair / "prompts.jsonl").read_text().splitlines()])
@@ -137,6 +174,21 @@ def test_training_blocks_see_only_context_before_the_anchor(pair):
                 h = drafter(target.model.embed_tokens(blk), pos, feats[b : b + 1, :a], torch.arange(a)[None], mask)
                 alone = target.logits(h)[0, 1:]
                 torch.testing.assert_close(batched[b, n], alone, rtol=1e-5, atol=1e-5)
+
+
+def test_time_guard_lays_the_schedule_over_the_steps_that_fit(monkeypatch):
+    """fit_steps: after PROBE_STEPS steps, a loop whose rate leaves room for fewer steps than
+    planned gets the schedule over 97% of what fits (so its LR still reaches 0 by the guard); one
+    with room keeps its steps; no change at any other step."""
+    now = [100.0]
+    monkeypatch.setattr(ttp.time, "time", lambda: now[0])
+    t0, deadline = 0.0, 200.0  # 20 steps took 100 s: 0.2 steps/s, 100 s left -> 20 more steps fit
+    assert ttp.fit_steps(ttp.PROBE_STEPS, 1000, t0, deadline) == ttp.PROBE_STEPS + int(0.97 * 0.2 * 100)
+    assert ttp.fit_steps(ttp.PROBE_STEPS, 30, t0, deadline) == 30
+    assert ttp.fit_steps(ttp.PROBE_STEPS + 1, 1000, t0, deadline) == 1000
+    assert ttp.fit_steps(5, 1000, t0, deadline) == 1000
+    lrs = [tm.cosine_lr(s, 39, 1.0, 0.04) for s in range(39)]
+    assert lrs[-1] < 0.01 and max(lrs) <= 1.0
 
 
 def test_loss_labels_are_unshifted_and_decay_weighted():
