@@ -6,11 +6,15 @@ import hashlib
 import json
 
 import pytest
-from ddtree_deploy.deploy import build as build_mod
-from ddtree_deploy.deploy.build import Inputs, build
-from ddtree_deploy.deploy.buildinfo import MANIFEST_NAME, compute_build_id, load_build
+from ddtree_deploy.deploy.build import build as build_mod
+from ddtree_deploy.deploy.build.build import Inputs, build
+from ddtree_deploy.deploy.build.buildinfo import (
+    MANIFEST_NAME,
+    compute_build_id,
+    load_build,
+)
+from ddtree_deploy.deploy.build.series import SHIPPED_UTILS
 from ddtree_deploy.deploy.errors import EXIT_PATCH, EXIT_SNAPSHOT, EXIT_USAGE
-from ddtree_deploy.deploy.series import SHIPPED_UTILS
 from foundation_support import REPO_ROOT, UPSTREAM, edit, error_lines, udiff
 
 MOD = "srt/speculative/mod.py"
@@ -190,7 +194,7 @@ def test_real_repository_series_builds_and_reverses(tmp_path):
     for rel, f in info.files.items():
         assert f.pristine_sha256 == snapshot.get(rel)
     assert result.warnings == [], "patches should apply without offsets"
-    from ddtree_deploy.deploy.series import apply_series, load_series
+    from ddtree_deploy.deploy.build.series import apply_series, load_series
 
     tree = result.info.root
     (tree / MANIFEST_NAME).unlink()

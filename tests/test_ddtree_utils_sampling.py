@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import os as _os
 import subprocess
 import sys
 import textwrap
@@ -22,8 +23,6 @@ from pathlib import Path
 import pytest
 import torch
 from scipy.stats import chisquare
-
-import os as _os
 
 # The Triton interpreter at V = 151936 did not finish within 20 min on a 2-core CPU; on CUDA the
 # same kept sets are checked by tests/gpu/test_sampling_cuda.py. Opt in with DDTREE_RUN_INTERP_FULL_VOCAB=1.

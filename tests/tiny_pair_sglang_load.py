@@ -25,7 +25,10 @@ sys.modules["vllm"]._custom_ops = sys.modules["vllm._custom_ops"]
 
 def main(draft: str) -> dict:
     from safetensors.torch import load_file
-    from sglang.srt.distributed import init_distributed_environment, initialize_model_parallel
+    from sglang.srt.distributed import (
+        init_distributed_environment,
+        initialize_model_parallel,
+    )
     from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
     from transformers import AutoConfig
 

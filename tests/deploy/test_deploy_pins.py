@@ -12,10 +12,10 @@ from pathlib import Path
 
 import deploy_testbed as tb
 import pytest
-from ddtree_deploy.deploy import pins
-from ddtree_deploy.deploy.build import Inputs, build
-from ddtree_deploy.deploy.buildinfo import sha256_file
-from ddtree_deploy.deploy.series import load_series
+from ddtree_deploy.deploy.build import pins
+from ddtree_deploy.deploy.build.build import Inputs, build
+from ddtree_deploy.deploy.build.buildinfo import sha256_file
+from ddtree_deploy.deploy.build.series import load_series
 from deploy_cli import host_toml, run_cli
 
 pytestmark = [pytest.mark.ssh, pytest.mark.slow, pytest.mark.timeout(600)]

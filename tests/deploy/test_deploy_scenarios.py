@@ -15,7 +15,7 @@ from pathlib import Path
 
 import deploy_testbed as tb
 import pytest
-from ddtree_deploy.deploy.buildinfo import sha256_file
+from ddtree_deploy.deploy.build.buildinfo import sha256_file
 from deploy_cli import CLI, host_toml, run_cli
 
 pytestmark = [pytest.mark.ssh, pytest.mark.slow, pytest.mark.timeout(600)]

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 from ddtree_deploy.checks.sglang_smoke import make_overlay
-from ddtree_deploy.deploy import build as b
-from ddtree_deploy.deploy import pins
+from ddtree_deploy.deploy.build import build as b
+from ddtree_deploy.deploy.build import pins
 
 ROOT = Path(__file__).resolve().parents[2]
 SITE = pins.sglang_site("0.5.16")

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..errors import ConfigError
 from . import snapshot as snap
 from .buildinfo import (
     MANIFEST_NAME,
@@ -25,7 +26,6 @@ from .buildinfo import (
     compute_build_id,
     sha256_file,
 )
-from .errors import ConfigError
 from .series import (
     SHIPPED_UTILS,
     Entry,

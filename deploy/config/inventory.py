@@ -22,8 +22,8 @@ from pydantic import (
     model_validator,
 )
 
+from ..errors import ConfigError
 from . import launch as _launch
-from .errors import ConfigError
 
 if sys.version_info >= (3, 11):
     import tomllib

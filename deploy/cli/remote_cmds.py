@@ -1,6 +1,6 @@
 """Remote commands: plan, push, status, rollback (SSH through Fabric, or `local`).
 
-Human output goes to stderr (deploy.ui.console), `--json` to stdout. Exit codes: 0 ok, 1 deploy
+Human output goes to stderr (deploy.cli.ui.console), `--json` to stdout. Exit codes: 0 ok, 1 deploy
 failed (nothing changed, or rolled back), 2 bad inventory/usage, 5 unreachable/host key, 6 refused
 (version, drift, lock, disk), 7 automatic rollback failed, 8 transition left unfinished on the host
 (the next command finishes it), 130/143 stopped by SIGINT/SIGTERM (host put back). With several
@@ -29,12 +29,10 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from . import health, launch, restart
-from . import lock as host_lock
-from .agent_client import call_agent
-from .buildinfo import MANIFEST_NAME, BuildInfo, gates_verdict, load_build
-from .cli import app
-from .errors import (
+from ..build.buildinfo import MANIFEST_NAME, BuildInfo, gates_verdict, load_build
+from ..build.pins import BuildChoice
+from ..config.inventory import Host, Inventory, load_inventory
+from ..errors import (
     EXIT_OK,
     EXIT_SIGINT,
     EXIT_SIGTERM,
@@ -43,24 +41,24 @@ from .errors import (
     RemoteRefused,
     RemoteUnreachable,
 )
-from .facts import (
+from ..remote import envfile, health, restart
+from ..remote import lock as host_lock
+from ..remote.facts import (
     CURRENT,
     DEPLOYED,
     DRIFTED,
     MISSING,
     PRISTINE,
-    gather,
-    host_state,
+    choose_build,
+    read_facts,
 )
-from .inventory import Host, Inventory, load_inventory
-from .pins import BuildChoice, build_for_host
-from .plan import add_diffs, make_plan
-from .releases import STOP, Events, Outcome, recover_host, run_host
-from .transport import connect
+from ..remote.plan import add_diffs, make_plan
+from ..remote.releases import STOP, Events, Outcome, recover_host, run_host
+from ..remote.transport import connect
 from .ui import console, emit_json, ok, warn
 
-# No --build: each host gets the build of the pin matching its SGLang (deploy.pins), from here.
-BUILD_ROOT = Path(os.environ.get("DDTREE_DEPLOY_BUILD_ROOT") or Path(__file__).resolve().parent.parent / "build")
+# No --build: each host gets the build of the pin matching its SGLang (deploy.build.pins), from here.
+BUILD_ROOT = Path(os.environ.get("DDTREE_DEPLOY_BUILD_ROOT") or Path(__file__).resolve().parents[2] / "build")
 
 InventoryOpt = Annotated[Path | None, typer.Option("--inventory", "-i", help="hosts.toml (default: $DDTREE_DEPLOY_HOSTS or ./hosts.toml).")]
 BuildOpt = Annotated[Path | None, typer.Option("--build", help="The build directory (with BUILD-MANIFEST.json) for every host; default $DDTREE_DEPLOY_BUILD, else build/sglang-<V> of each host's SGLang version V.")]
@@ -134,6 +132,9 @@ class RichEvents(Events):
             self.sent[host] += nbytes
             self.p.update(self.tasks[host], total=total, completed=self.sent[host],
                           description=f"{host}: uploading {self.sent[host] / 1e3:.0f}/{total / 1e3:.0f} kB")
+
+    def warn(self, host: str, message: str) -> None:
+        warn(message)
 
     def waiting(self, host: str, elapsed: float, deadline: float) -> None:
         self.p.update(self.tasks[host], description=f"{host}: health gate {elapsed:.0f}/{deadline:.0f}s",
@@ -210,7 +211,6 @@ def _table(title: str, outs: list[Outcome]) -> None:
             console.print(o.detail, markup=False, highlight=False)
 
 
-@app.command()
 def push(
     hosts: Annotated[list[str], typer.Argument(help="Inventory host names (`local` = this machine).")],
     inventory: InventoryOpt = None,
@@ -242,7 +242,6 @@ def push(
         raise _exit(code, f"push failed on {', '.join(failed)} (exit {code}); see the table above")
 
 
-@app.command()
 def rollback(
     host: Annotated[str, typer.Argument(help="Inventory host name.")],
     to: Annotated[str | None, typer.Option("--to", help="A release id, or `pristine` (default: the state before the current release).")] = None,
@@ -266,7 +265,6 @@ def rollback(
         raise _exit(code, f"rollback of {host} failed (exit {code}): {outs[0].message}")
 
 
-@app.command()
 def plan(
     host: Annotated[str, typer.Argument(help="Inventory host name.")],
     inventory: InventoryOpt = None,
@@ -282,9 +280,11 @@ def plan(
         h = inv.get(host)
         b = _build_arg(build, lambda p: _load_build(p, require_gates=False))
         t = connect(h, inv)
-        b = build_for_host(t, b)  # the build of the host's pin (exit 6 when its SGLang has none)
-        notes = _recover(t)
-        facts = gather(t, b)
+        facts = read_facts(t, b)  # one read: the files of the host's pin's build (BuildChoice) or of --build
+        notes = _recover(t, facts)
+        if notes:  # an earlier run's transition was finished: the host changed
+            facts = read_facts(t, b)
+        b = choose_build(b, facts, h.name)  # the build of the host's pin (exit 6 when its SGLang has none)
         p = make_plan(t, b, facts, force=force)
         if diff:
             add_diffs(t, b, p)
@@ -317,15 +317,14 @@ def plan(
         emit_json(dict(p.to_json(), recovered=notes))
 
 
-def _recover(t) -> list[str]:
+def _recover(t, facts) -> list[str]:
     """Finish what an earlier run left unfinished on the host (journal recovery), and say so."""
-    notes = recover_host(t)
+    notes = recover_host(t, facts=facts)
     for n in notes:
         warn(f"{t.label}: {n}")
     return notes
 
 
-@app.command()
 def status(
     host: Annotated[str, typer.Argument(help="Inventory host name.")],
     inventory: InventoryOpt = None,
@@ -341,24 +340,21 @@ def status(
         path = build or os.environ.get("DDTREE_DEPLOY_BUILD")
         b = (load_build(path) if (Path(path) / MANIFEST_NAME).is_file() else None) if path else BuildChoice(load_build, BUILD_ROOT)
         t = connect(h, inv)
-        b = build_for_host(t, b, missing_ok=True)  # no pin or no build for the host's SGLang: host state only
-        out["recovered"] = _recover(t)
-        raw0 = host_state(t)
-        out["unfinished"] = raw0.get("unfinished") or []
-        rec_files = (raw0.get("current") or {}).get("files") or {}
-        got = call_agent(t, "hashes", {"sglang_dir": raw0["sglang_dir"], "files": sorted(rec_files)}, 120)["files"] if rec_files else {}
+        facts = read_facts(t, b, current_files=True)  # the one read of the host's state
+        out["recovered"] = _recover(t, facts)
+        if out["recovered"]:  # an earlier run's transition was finished: the host changed
+            facts = read_facts(t, b, current_files=True)
+        b = choose_build(b, facts, h.name, missing_ok=True)  # no pin or no build for the host's SGLang: host state only
+        out["unfinished"] = facts.unfinished
+        rec_files = (facts.current or {}).get("files") or {}
+        got = facts.current_files or {}
         out["verify"] = {rel: ("ok" if got.get(rel) == sha else ("missing" if got.get(rel) is None and sha else "changed"))
                          for rel, sha in sorted(rec_files.items())}
-        out["lock_holder"] = (dict(raw0["lock"], alive=host_lock.holder_status(raw0["lock"])) if raw0.get("lock") else None)
+        out["lock_holder"] = (dict(facts.lock, alive=host_lock.holder_status(facts.lock)) if facts.lock else None)
+        out.update(sglang_version=facts.version, sglang_dir=facts.sglang_dir, current=facts.current, lock=facts.lock)
         if b is not None:
-            facts = gather(t, b)
-            out.update(sglang_version=facts.version, sglang_dir=facts.sglang_dir, current=facts.current,
-                       lock=facts.lock, files={f.relpath: f.status for f in facts.files}, build_id=b.build_id)
-        else:  # no local build to compare against: the host's own state only
-            raw = host_state(t)
-            out.update(sglang_version=raw["version"], sglang_dir=raw["sglang_dir"], current=raw["current"],
-                       lock=raw["lock"])
-        out["launch"] = launch.live(t)  # [launch]: the flags the service starts with
+            out.update(files={f.relpath: f.status for f in facts.files}, build_id=b.build_id)
+        out["launch"] = envfile.live(t, facts)  # [launch]: the flags the service starts with
         out["service"] = restart.service_state(t)
         try:
             info = health.server_info(t) if out["service"] == "running" else None
@@ -420,7 +416,6 @@ def status(
     ok(f"{host} is healthy")
 
 
-@app.command()
 def unlock(
     host: Annotated[str, typer.Argument(help="Inventory host name.")],
     inventory: InventoryOpt = None,
@@ -434,8 +429,8 @@ def unlock(
         inv = load_inventory(inventory)
         h = inv.get(host)
         t = connect(h, inv)
-        raw = host_state(t)
-        holder = raw.get("lock")
+        raw = read_facts(t)
+        holder = raw.lock
         if not holder:
             result = {"host": host, "released": False, "holder": None, "message": "no lock held"}
         else:
@@ -446,7 +441,7 @@ def unlock(
             host_lock.break_lock(t)
             result = {"host": host, "released": True, "holder": holder, "holder_status": st,
                       "message": f"removed the lock of {host_lock.describe(holder)} (holder {st})"}
-        result["unfinished"] = [u["release"] for u in raw.get("unfinished") or []]
+        result["unfinished"] = [u["release"] for u in raw.unfinished]
     except DDTreeDeployError as exc:
         raise _fail(exc) from None
     finally:

@@ -10,12 +10,13 @@ import difflib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import launch
+from ..build.buildinfo import BuildInfo
+from ..config import launch
+from ..config.launch import store_rel
+from ..errors import RemoteRefused
+from . import envfile
 from .agent_client import call_agent
-from .buildinfo import BuildInfo
-from .errors import RemoteRefused
 from .facts import CURRENT, HostFacts, version_mismatch
-from .launch import store_rel
 from .restart import commands
 from .transport import Transport
 
@@ -100,7 +101,7 @@ def make_plan(t: Transport, build: BuildInfo, facts: HostFacts, *, force: bool =
     if bad_version:
         p.refusals.append(Refusal("version", bad_version))
     try:
-        p.env = launch.for_push(t, build, facts.current, facts.releases)
+        p.env = envfile.for_push(t, build, facts)
     except RemoteRefused as exc:  # e.g. the variable spans several lines: push would refuse
         p.refusals.append(Refusal("launch", exc.message))
     drifted = [f"{f.relpath} ({f.status})" for f in facts.drifted] + ([f"{p.env.path} (drifted)"] if p.env and p.env.drifted else [])

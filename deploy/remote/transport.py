@@ -16,8 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import RemoteUnreachable
-from .inventory import Host, Inventory
+from ..config.inventory import Host, Inventory
+from ..errors import RemoteUnreachable
 
 ProgressFn = Callable[[int], None]  # called with the number of bytes sent since the last call
 
