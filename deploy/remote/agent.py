@@ -127,7 +127,8 @@ def _unfinished(state):
         j = _read_journal(state, rid)
         if j and j[-1].get("step") not in TERMINAL:
             rec = _read_json(os.path.join(root, rid, "release.json")) or {}
-            out.append({"release": rid, "action": rec.get("action"), "steps": [e.get("step") for e in j],
+            cause = next((e.get("reason") for e in j if e.get("step") == "rolling-back"), None)
+            out.append({"release": rid, "action": rec.get("action"), "steps": [e.get("step") for e in j], "cause": cause,
                         "last": j[-1], "files_touched": any(e.get("step") in ("swapping", "restoring") for e in j),
                         "has_backup": "backup" in rec})
     return out

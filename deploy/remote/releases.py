@@ -31,6 +31,7 @@ from ..errors import (
     DDTreeDeployError,
     DeployFailed,
     RemoteRefused,
+    RemoteUnreachable,
     RollbackFailed,
 )
 from . import envfile, health, lock, records, restart
@@ -112,6 +113,7 @@ class Releaser:
         self.expect = health.INVENTORY
         self.build: BuildInfo | None = None  # the build a push chose (the host's pin, or --build)
         self.staged: dict[str, dict] = {}  # release records (with their backup) staged by this run
+        self.cause: dict[str, tuple[str, str | None]] = {}  # why a transition is being undone (first fault, log tail)
 
     def _warn(self, message: str) -> None:
         self.ev.warn(self.h.name, f"{self.h.name}: {message}")
@@ -200,15 +202,24 @@ class Releaser:
                                    f"(release {rid} aborted, nothing restarted)") from None
             return self._undo(facts, rid, record, None, why="interrupted by a signal")
         except TransportLost as exc:
+            why = exc.message.removeprefix(f"{name}: ")  # the messages below name the host once
             self.ev.step(name, "connection lost; reconnecting")
-            self.t.reconnect()  # RemoteUnreachable here: run_host reports the transition unfinished (exit 8)
+            try:
+                self.t.reconnect()  # RemoteUnreachable here: run_host reports the transition unfinished (exit 8)
+            except RemoteUnreachable as exc2:
+                again = exc2.message.removeprefix(name + ": ")
+                if rid not in self.cause:
+                    raise RemoteUnreachable(f"{name}: {why}; reconnecting failed: {again}") from None
+                first, detail = self.cause[rid]  # the fault that started the rollback, not only the last one
+                raise RemoteUnreachable(f"{name}: {first}; then, during the automatic rollback: {why}, and "
+                                        f"reconnecting failed: {again}", detail=detail) from None
             if healthy is not None:  # the health gate passed: finish it again (idempotent), never undo
                 return self._healthy(rid, record, healthy, sd, targets)
             if swapped:
-                return self._undo(facts, rid, record, None, why=exc.message)
-            self._finish(rid, "aborted", {"outcome": "aborted", "error": exc.message}, sd, targets)
-            raise DeployFailed(f"{name}: {exc.message} before the swap; the host is unchanged "
-                               f"(release {rid} marked aborted)") from None
+                return self._undo(facts, rid, record, None, why=why)
+            self._finish(rid, "aborted", {"outcome": "aborted", "error": why}, sd, targets)
+            raise RemoteUnreachable(f"{name}: {why} before the swap; reconnected: the host is unchanged "
+                                    f"(release {rid} marked aborted, nothing restarted)") from None
 
     def _healthy(self, rid: str, record: dict, report: health.HealthReport, sd: str, targets) -> Outcome:
         self._finish(rid, "healthy", {"outcome": "deployed" if record["action"] == "push" else "done",
@@ -266,9 +277,14 @@ class Releaser:
               why: str | None = None) -> Outcome:
         name = self.h.name
         reason = why or (report.reason if report else "unknown failure")
+        detail = report.log_tail if report and report.log_tail else None
+        if rid in self.cause:  # a second fault while undoing: the first cause stays first, with its log tail
+            first, first_detail = self.cause[rid]
+            reason, detail = f"{first}; then, during the automatic rollback: {reason}", first_detail or detail
+        else:
+            self.cause[rid] = (reason, detail)
         self.ev.step(name, f"FAILED ({reason}); rolling back automatically")
         ok, rep2 = self._restore(rid, self.staged.get(rid) or self._release(rid), reason, facts.sglang_dir)
-        detail = report.log_tail if report and report.log_tail else None
         if not ok:
             raise RollbackFailed(f"{name}: {reason}; files were restored byte for byte but the service is not healthy "
                                  f"after the rollback either ({rep2.reason})", detail=rep2.log_tail or detail)
@@ -333,7 +349,10 @@ class Releaser:
         if not u["files_touched"]:
             self._finish(rid, "aborted", {"outcome": "aborted", "error": f"left unfinished at {where}; recovered"}, sd, files)
             return f"unfinished transition {rid} (stopped at: {where}) had not touched the files: marked aborted, temp files removed"
-        ok, rep = self._restore(rid, rec, f"left unfinished at {where}; recovered by a later command", sd)
+        why = f"left unfinished at {where}; recovered by a later command"
+        if u.get("cause"):  # it was rolling back after a failure: that failure stays the recorded cause
+            why = f"{u['cause']}; the automatic rollback was cut short at {where} and finished by a later command"
+        ok, rep = self._restore(rid, rec, why, sd)
         self.restarts += 0
         return (f"unfinished transition {rid} (stopped at: {where}): rolled back to "
                 f"{rec.get('previous') or PRISTINE}, files restored byte for byte, "
@@ -500,6 +519,8 @@ def run_host(host: Host, inventory: Inventory, action: str, events: Events | Non
         out.extra["interrupted"] = True
     build = r.build if r is not None and r.build is not None else (build if isinstance(build, BuildInfo) else None)
     outcome = ("done" if out.changed else "noop") if out.ok else OUTCOME_BY_CODE.get(out.code, "failed")
+    if outcome == "failed-rolled-back" and not out.extra.get("rolled_back"):
+        outcome = "failed"  # stopped before the swap (a check, an upload, a signal): nothing to roll back
     records.append(host.name, {"time": _now(), "host": host.name, "action": action, "ok": out.ok, "code": out.code,
                                "outcome": outcome, "rolled_back": out.extra.get("rolled_back", False),
                                "restarts": out.extra.get("restarts", 0), "interrupted": out.extra.get("interrupted", False),

@@ -211,3 +211,22 @@ def test_push_of_the_build_in_place_starts_a_stopped_service(setup, builds, site
     assert res["ok"] and res["restarted"] and not res["changed"], res
     s = settled(h, env, tree=after, state=rid, code=0, r=r, outcome="restarted")
     assert s["healthy"]
+
+
+# -- 6. a second fault during the automatic rollback keeps the first cause ---------------------------------
+def test_a_fault_during_the_automatic_rollback_keeps_the_first_cause(setup, builds, site_cache, env):
+    """The new build's service dies at start (the first cause, with its log tail); the automatic
+    rollback restores the files, then the connection drops for good: exit 8, and the message, the
+    log tail and (after the next command finishes it) release.json still name the first cause."""
+    h, _, _ = setup
+    _, after, rid = fresh(h, builds["good"], site_cache, env)
+    r = run_cli(["push", "ct200", "--build", str(builds["bad_service"].root), "--json"],
+                dict(env, DDTREE_TEST_FAULT="drop@apply#2", DDTREE_TEST_FAULT_REFUSE_RECONNECT="1"))
+    res = result(r)
+    assert "not running" in res["message"] and "connection lost" in res["message"], res["message"]
+    assert "UNFINISHED" in res["message"] and "fails at import inside the service" in (res["detail"] or ""), res
+    failed = newest_release(h)["id"]
+    s = settled(h, env, tree=after, state=rid, code=8, r=r, outcome="unfinished")
+    assert s["healthy"]
+    rec = json.loads((h.state / "releases" / failed / "release.json").read_text())
+    assert rec["outcome"] == "rolled-back" and "not running" in rec["error"], rec["error"]
