@@ -4,7 +4,7 @@ mapping of errors to exit codes (see deploy.errors).
 The commands are plain functions in three modules, registered here and nowhere else (importing a
 command module adds nothing to the app):
   deploy.cli.build_cmds   patch, check, series, refresh, snapshot verify/import   (no remote host)
-  deploy.cli.remote_cmds  plan, push, status, rollback, unlock                     (SSH / local)
+  deploy.cli.remote_cmds  plan, push, status, rollback, restart, unlock            (SSH / local)
   deploy.cli.bench_cmds   bench                                                    (serving benchmark)
 """
 
@@ -38,6 +38,7 @@ COMMANDS = [
     (app, "bench", bench_cmds.bench),
     (app, "push", remote_cmds.push),
     (app, "rollback", remote_cmds.rollback),
+    (app, "restart", remote_cmds.restart_cmd),
     (app, "plan", remote_cmds.plan),
     (app, "status", remote_cmds.status),
     (app, "unlock", remote_cmds.unlock),

@@ -40,6 +40,7 @@ from ..errors import (
     DDTreeDeployError,
     RemoteRefused,
     RemoteUnreachable,
+    UsageError,
 )
 from ..remote import envfile, health, restart
 from ..remote import lock as host_lock
@@ -51,6 +52,7 @@ from ..remote.facts import (
     PRISTINE,
     choose_build,
     read_facts,
+    unexplained,
 )
 from ..remote.plan import add_diffs, make_plan
 from ..remote.releases import STOP, Events, Outcome, recover_host, run_host
@@ -177,23 +179,39 @@ class Signals:
     def exit_code(self, code: int) -> int:
         return self.code if self.code is not None and code not in (7, 8) else code
 
+    def mark(self, outs: list[Outcome]) -> None:
+        """After a signal, each row shows the code the process exits with for it (130/143 unless 7 or 8)."""
+        for o in outs:
+            if not o.ok:
+                o.code = self.exit_code(o.code)
 
-def _run_many(hosts: list[Host], inv: Inventory, action: str, serial: int | None, **kw) -> list[Outcome]:
+
+def _run_many(hosts: list[Host], inv: Inventory, action: str, serial: int | None, max_failures: int | None = None,
+              **kw) -> tuple[list[Outcome], list[str]]:
+    """Run `action` on the hosts, `serial` at a time (default: all at once). A rollout in batches stops
+    once more than `max_failures` hosts failed (or on a signal): the outcomes, and the hosts not touched."""
     results: dict[str, Outcome] = {}
     size = serial or len(hosts)
+    untouched: list[str] = []
     with _progress() as progress:
         ev = RichEvents(progress, [h.name for h in hosts])
         for i in range(0, len(hosts), size):
+            failed = sum(not o.ok for o in results.values())
+            if i and ((max_failures is not None and failed > max_failures) or STOP.is_set()):
+                untouched = [h.name for h in hosts[i:]]
+                for name in untouched:
+                    progress.update(ev.tasks[name], description=f"{name}: not touched (rollout stopped)")
+                break
             batch = hosts[i:i + size]
             with ThreadPoolExecutor(max_workers=len(batch)) as pool:
                 futs = {h.name: pool.submit(run_host, h, inv, action, ev, **kw) for h in batch}
                 for name, fut in futs.items():
                     results[name] = fut.result()
                     progress.update(ev.tasks[name], description=f"{name}: {'done' if results[name].ok else 'FAILED'}")
-    return [results[h.name] for h in hosts]
+    return [results[h.name] for h in hosts if h.name in results], untouched
 
 
-def _table(title: str, outs: list[Outcome]) -> None:
+def _table(title: str, outs: list[Outcome], untouched: list[str] = ()) -> None:
     """changed: the host's files differ from before the run; restarted: how many restarts the run
     caused; rolled back: an automatic rollback (or the recovery of an earlier run) ran."""
     t = Table(title=title)
@@ -204,6 +222,8 @@ def _table(title: str, outs: list[Outcome]) -> None:
         t.add_row(o.host, "[green]ok[/]" if o.ok else "[bold red]FAILED[/]", str(o.code), o.release or "-",
                   "yes" if o.changed else "no", f"yes ({n}x)" if n else "no",
                   "yes" if o.extra.get("rolled_back") else "no", o.message)
+    for name in untouched:
+        t.add_row(name, "[yellow]not touched[/]", "-", "-", "no", "no", "no", "the rollout stopped before this host")
     console.print(t)
     for o in outs:
         if o.detail:
@@ -216,11 +236,14 @@ def push(
     inventory: InventoryOpt = None,
     build: BuildOpt = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite drifted files (they are backed up).")] = False,
-    serial: Annotated[int | None, typer.Option("--serial", min=1, help="Deploy N hosts at a time (default: all at once).")] = None,
+    serial: Annotated[int | None, typer.Option("--serial", min=1, help="Deploy N hosts at a time (default: all at once); the rollout stops at the first failed host.")] = None,
+    max_failures: Annotated[int | None, typer.Option("--max-failures", min=0, help="With --serial: go on until more than K hosts failed (default 0).")] = None,
     break_lock: BreakLock = False,
     json_out: JsonOpt = False,
 ) -> None:
-    """Deploy the build: preflight, upload, verify, atomic swap, restart, health gate, auto-rollback."""
+    """Deploy the build: preflight, upload, verify, atomic swap, restart, health gate, auto-rollback.
+    With --serial N, hosts go N at a time and the rollout stops after the first batch with a failure
+    (--max-failures K: once more than K hosts failed); the hosts it did not reach are listed."""
     try:
         inv = load_inventory(inventory)
         targets = _hosts(inv, hosts)
@@ -230,16 +253,21 @@ def push(
     what = (f"build [bold]{b.build_id}[/] (sglang {b.sglang_version}, {len(b.patches)} patches, {len(b.files)} files)"
             if isinstance(b, BuildInfo) else escape(b.describe()))
     console.print(f"push {what} to {', '.join(hosts)}")
+    if max_failures is not None and serial is None:
+        raise UsageError("--max-failures needs --serial N (without it every host is deployed at once)")
     with Signals() as sigs:
-        outs = _run_many(targets, inv, "push", serial, build=b, force=force, break_lock=break_lock)
-    _table("push", outs)
+        outs, untouched = _run_many(targets, inv, "push", serial, (max_failures or 0) if serial else None,
+                                    build=b, force=force, break_lock=break_lock)
+    sigs.mark(outs)
+    _table("push", outs, untouched)
     code = sigs.exit_code(worst([o.code for o in outs]))
     if json_out:
         emit_json({"action": "push", "build_id": getattr(b, "build_id", None), "ok": code == EXIT_OK, "exit_code": code,
-                   "results": [o.to_json() for o in outs]})
+                   "results": [o.to_json() for o in outs], "untouched": untouched})
     if code:
         failed = [o.host for o in outs if not o.ok]
-        raise _exit(code, f"push failed on {', '.join(failed)} (exit {code}); see the table above")
+        raise _exit(code, f"push failed on {', '.join(failed)} (exit {code})"
+                    + (f"; not touched: {', '.join(untouched)}" if untouched else "") + "; see the table above")
 
 
 def rollback(
@@ -256,13 +284,38 @@ def rollback(
     except DDTreeDeployError as exc:
         raise _fail(exc) from None
     with Signals() as sigs:
-        outs = _run_many([h], inv, "rollback", None, to=to, break_lock=break_lock)
+        outs, _ = _run_many([h], inv, "rollback", None, to=to, break_lock=break_lock)
+    sigs.mark(outs)
     _table("rollback", outs)
     code = sigs.exit_code(outs[0].code)
     if json_out:
         emit_json({"action": "rollback", "ok": code == EXIT_OK, "exit_code": code, "results": [o.to_json() for o in outs]})
     if code:
         raise _exit(code, f"rollback of {host} failed (exit {code}): {outs[0].message}")
+
+
+def restart_cmd(
+    host: Annotated[str, typer.Argument(help="Inventory host name.")],
+    inventory: InventoryOpt = None,
+    break_lock: BreakLock = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Restart the service with the files as they are, then the health gate (journaled on the host).
+    For a stopped or failed service: after an exit 7, or a crash. Exit 1 when it is not healthy."""
+    try:
+        inv = load_inventory(inventory)
+        h = inv.get(host)
+    except DDTreeDeployError as exc:
+        raise _fail(exc) from None
+    with Signals() as sigs:
+        outs, _ = _run_many([h], inv, "restart", None, break_lock=break_lock)
+    sigs.mark(outs)
+    _table("restart", outs)
+    code = sigs.exit_code(outs[0].code)
+    if json_out:
+        emit_json({"action": "restart", "ok": code == EXIT_OK, "exit_code": code, "results": [o.to_json() for o in outs]})
+    if code:
+        raise _exit(code, f"restart of {host} failed (exit {code}): {outs[0].message}")
 
 
 def plan(
@@ -273,7 +326,8 @@ def plan(
     force: Annotated[bool, typer.Option("--force", help="Plan as `push --force` would.")] = False,
     json_out: JsonOpt = False,
 ) -> None:
-    """Dry run: read the host and show what `push` would do. Changes nothing."""
+    """Dry run: read the host and show what `push` would do. Changes nothing (but finishes a transition
+    an earlier run left unfinished: roll back and restart, as every command does first)."""
     t = None
     try:
         inv = load_inventory(inventory)
@@ -354,6 +408,7 @@ def status(
         out.update(sglang_version=facts.version, sglang_dir=facts.sglang_dir, current=facts.current, lock=facts.lock)
         if b is not None:
             out.update(files={f.relpath: f.status for f in facts.files}, build_id=b.build_id)
+        out["hand_edited"] = unexplained(facts)  # bytes neither a push nor upstream had, whoever put them back
         out["launch"] = envfile.live(t, facts)  # [launch]: the flags the service starts with
         out["service"] = restart.service_state(t)
         try:
@@ -378,13 +433,14 @@ def status(
     cur = out.get("current") or {}
     tab.add_row("state", str(cur.get("state", "unmanaged")) + (f" (since {cur.get('time')})" if cur else ""))
     tab.add_row("sglang", f"{out['sglang_version']} at {out['sglang_dir']}")
+    drift = sorted(set(out["hand_edited"]) | {f for f, s in (out.get("files") or {}).items() if s in (DRIFTED, MISSING)})
+    out["drift"] = drift
     if "files" in out:
-        drift = [f for f, s in out["files"].items() if s in (DRIFTED, MISSING)]
         tab.add_row("files", ", ".join(f"{s}: {sum(1 for v in out['files'].values() if v == s)}"
                                        for s in sorted(set(out["files"].values()))) + f" (build {out['build_id']})")
-        tab.add_row("drift", ", ".join(drift) if drift else "none")
     else:
-        tab.add_row("files", "no local build to compare with (drift not checked)")
+        tab.add_row("files", "no local build to compare with (drift from the release records only)")
+    tab.add_row("drift", f"[bold red]{escape(', '.join(drift))}[/] (changed outside this tool)" if drift else "none")
     bad = [f"{rel} ({v})" for rel, v in out["verify"].items() if v != "ok"]
     tab.add_row("verified", (f"[bold red]DRIFT from the release record: {', '.join(bad)}[/]" if bad else
                              f"{len(out['verify'])} files match the release record") if out["verify"] else "no release record")
@@ -410,9 +466,10 @@ def status(
         emit_json(out)
     if not out["healthy"]:
         raise _exit(1, f"{host}: the service is {out['service']} and not healthy")
-    if bad or out["unfinished"]:
+    if bad or out["unfinished"] or drift:
         raise _exit(1, f"{host}: healthy, but " + (f"its files differ from the release record ({', '.join(bad)})" if bad
-                                                   else "a transition is unfinished"))
+                                                   else "a transition is unfinished" if out["unfinished"]
+                                                   else f"files were changed outside this tool ({', '.join(drift)})"))
     ok(f"{host} is healthy")
 
 

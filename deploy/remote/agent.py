@@ -516,9 +516,10 @@ def op_record(p):
 
 
 def op_prune(p):
-    """Keep the newest `keep` releases that changed the host (outcome deployed/done) besides the
-    protected ones; failed attempts (aborted, rolled-back) take no slot: the newest `keep` of them
-    are kept apart for inspection. Unfinished transitions are never removed."""
+    """Keep the newest `keep` pushes that changed the host (outcome deployed) besides the protected
+    ones, so that `rollback --to` finds them; everything else (failed attempts, rollbacks, restarts)
+    takes no slot: the newest `keep` of those are kept apart for inspection. Unfinished transitions
+    are never removed."""
     state = p["state_dir"]
     root = os.path.join(state, "releases")
     ids = sorted(os.listdir(root)) if os.path.isdir(root) else []
@@ -526,7 +527,7 @@ def op_prune(p):
     good, failed, protected_good = [], [], 0
     for rid in ids:
         rec = _read_json(os.path.join(root, rid, "release.json")) or {}
-        ok = rec.get("outcome") in ("deployed", "done")
+        ok = rec.get("outcome") == "deployed"  # a push that changed the host; rollbacks and restarts take no slot
         if rid in protect:
             protected_good += ok
             continue

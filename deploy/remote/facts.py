@@ -61,9 +61,12 @@ class HostFacts:
 
 
 def classify(build: BuildInfo, remote: dict, releases: list[dict]) -> list[FileState]:
+    """Each build file by what is on disk: `deployed` only for bytes that a push of this tool put
+    there (a rollback or an automatic rollback puts back whatever was there before, a hand edit
+    included: those bytes stay `drifted`)."""
     released: dict[tuple[str, str], str] = {}
     for rec in releases:
-        if rec.get("outcome") in (None, "staging", "aborted"):  # never swapped in
+        if rec.get("outcome") in (None, "staging", "aborted") or rec.get("action", "push") != "push":
             continue
         for rel, sha in (rec.get("files") or {}).items():
             released[(rel, sha)] = rec.get("id", "?")
@@ -84,6 +87,19 @@ def classify(build: BuildInfo, remote: dict, releases: list[dict]) -> list[FileS
             status = DRIFTED
         out.append(FileState(rel, status, sha, bf.sha256, bf.pristine_sha256, rid, (got or {}).get("size") or 0))
     return out
+
+
+def unexplained(facts: HostFacts) -> list[str]:
+    """The files current.json names whose bytes on disk neither a push of this tool put there nor
+    were the pristine ones: hand edits, whatever put them back (needs `current_files`)."""
+    known: dict[str, set] = {}
+    for rec in facts.releases:
+        for rel, sha in (rec.get("pristine") or {}).items():
+            known.setdefault(rel, set()).add(sha)
+        if rec.get("action", "push") == "push" and rec.get("outcome") not in (None, "staging", "aborted"):
+            for rel, sha in (rec.get("files") or {}).items():
+                known.setdefault(rel, set()).add(sha)
+    return sorted(rel for rel, sha in (facts.current_files or {}).items() if sha not in known.get(rel, set()))
 
 
 def read_facts(t: Transport, build=None, *, read: list[str] | None = None, current_files: bool = False) -> HostFacts:

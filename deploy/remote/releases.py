@@ -376,6 +376,11 @@ class Releaser:
             p = make_plan(self.t, build, facts, force=force)
             p.refuse("version", "launch")
             if p.noop:
+                if not restart.alive(self.t):  # the files are there, the service is not: bring it back
+                    self.expect = p.env.expect_after if p.env is not None else health.INVENTORY
+                    out = self.restart_service(facts, f"already runs build {build.build_id}, but the service was stopped")
+                    out.action, out.release = "push", (facts.current or {}).get("release")
+                    return out
                 return Outcome(name, "push", True, EXIT_OK, f"already runs build {build.build_id}: nothing to do",
                                release=(facts.current or {}).get("release"))
             p.refuse("drift", "space")
@@ -393,6 +398,45 @@ class Releaser:
             if env is not None:
                 out.extra["launch"] = env.to_json()
             return out
+
+    # -- restart ---------------------------------------------------------------------------------------
+    def restart_service(self, facts: HostFacts, reason: str) -> Outcome:
+        """Restart the service and run the health gate, with the files as they are (the caller holds the
+        lock). Journaled as a transition of its own (action `restart`, no files): restart-requested ->
+        restarting -> restarted -> healthy | aborted. Not healthy after it: exit 1 with the log tail."""
+        name = self.h.name
+        rid = new_release_id("restart")
+        self.open_rid = rid
+        self._agent("record", {"release_id": rid, "journal": "restart-requested",
+                               "updates": {"id": rid, "time": _now(), "action": "restart", "reason": reason,
+                                           "files": {}, "outcome": "restarting",
+                                           "state": (facts.current or {}).get("state") or PRISTINE}})
+        ok, rep = self._restart_and_check(rid)
+        if not ok:
+            self._finish(rid, "aborted", {"outcome": "restart-failed", "error": rep.reason, "health": rep.to_json()},
+                         facts.sglang_dir, [])
+            raise DeployFailed(f"{name}: {reason}; restarted it, but it is not healthy ({rep.reason}); the files are "
+                               "unchanged (`ddtree-deploy rollback` puts the previous state back)", detail=rep.log_tail)
+        self._finish(rid, "healthy", {"outcome": "restarted", "health": rep.to_json()}, facts.sglang_dir, [])
+        return Outcome(name, "restart", True, EXIT_OK, f"{reason}: restarted it, healthy", release=rid, restarted=True,
+                       health=rep.to_json(), extra={"outcome": "restarted"})
+
+    def restart(self, *, break_lock: bool = False) -> Outcome:
+        """`ddtree-deploy restart HOST`: lock, facts (finishing an unfinished transition first), restart,
+        health gate. The health gate expects the algorithm of the flags in place ([launch]) or the
+        inventory's."""
+        notes: list[str] = []
+        with lock.taken(self.t, None, "restart", break_lock=break_lock, notes=notes, warn=self._warn):
+            self.recovered = notes
+            facts = read_facts(self.t)
+            if facts.unfinished:
+                self.recovered = notes + self._recover_all(facts)
+                facts = read_facts(self.t)
+            live = envfile.live(self.t, facts)
+            if live is not None:
+                self.expect = live["expect_algorithm"]
+            state = (facts.current or {}).get("state") or "unmanaged"
+            return self.restart_service(facts, f"restart requested (state {state})")
 
     def _prune(self, keep_id: str, previous: str | None) -> None:
         """Best effort: a prune that fails (connection lost) is retried by the next run."""
@@ -492,6 +536,8 @@ def run_host(host: Host, inventory: Inventory, action: str, events: Events | Non
             out = r.push(build, force=kw.get("force", False), break_lock=kw.get("break_lock", False))
             build = r.build
             out.extra.update(build_id=build.build_id, sglang_version=build.sglang_version)
+        elif action == "restart":
+            out = r.restart(break_lock=kw.get("break_lock", False))
         else:
             out = r.rollback(kw.get("to"), break_lock=kw.get("break_lock", False))
     except DDTreeDeployError as exc:
@@ -519,6 +565,8 @@ def run_host(host: Host, inventory: Inventory, action: str, events: Events | Non
         out.extra["interrupted"] = True
     build = r.build if r is not None and r.build is not None else (build if isinstance(build, BuildInfo) else None)
     outcome = ("done" if out.changed else "noop") if out.ok else OUTCOME_BY_CODE.get(out.code, "failed")
+    if out.ok and out.extra.get("outcome"):  # e.g. `restarted`: nothing changed, but something was done
+        outcome = out.extra["outcome"]
     if outcome == "failed-rolled-back" and not out.extra.get("rolled_back"):
         outcome = "failed"  # stopped before the swap (a check, an upload, a signal): nothing to roll back
     records.append(host.name, {"time": _now(), "host": host.name, "action": action, "ok": out.ok, "code": out.code,

@@ -48,6 +48,7 @@ def local_records(env, host: str) -> list[dict]:
 
 
 def result(r: subprocess.CompletedProcess, host: str = "ct200") -> dict:
+    assert r.stdout.strip(), (r.returncode, r.stderr[-3000:])
     return next(o for o in json.loads(r.stdout)["results"] if o["host"] == host)
 
 
@@ -156,7 +157,8 @@ def test_rollback_after_an_unfinished_push_reports_what_it_did(setup, builds, si
     _, after, rid = fresh(h, builds["good"], site_cache, env)
     k = run_cli(["push", "ct200", "--build", str(other.root)], dict(env, DDTREE_TEST_FAULT="kill@apply#1"))
     assert k.returncode == -9, k.stderr[-2000:]
-    assert tb.tree_digest(h.sglang) == tree_after(after, other)
+    left = {k: v for k, v in tb.tree_digest(h.sglang).items() if ".ddtree-" not in k.rpartition("/")[2]}
+    assert left == tree_after(after, other)  # the new files, and the `.old` links the recovery restores from
     r = run_cli(["rollback", "ct200", "--json"], env)
     res = result(r)
     assert res["ok"] and res["changed"] and res["restarted"] and "unfinished" in res["message"], res
@@ -230,3 +232,27 @@ def test_a_fault_during_the_automatic_rollback_keeps_the_first_cause(setup, buil
     assert s["healthy"]
     rec = json.loads((h.state / "releases" / failed / "release.json").read_text())
     assert rec["outcome"] == "rolled-back" and "not running" in rec["error"], rec["error"]
+
+
+# -- 8. a failed canary stops the rollout ------------------------------------------------------------------
+def test_serial_rollout_stops_at_the_first_failed_host(bed, setup, builds, site_cache, env, tmp_path):
+    """push ct200 local --serial 1: ct200 (the canary) fails and is rolled back, so `local` is not
+    touched; the table and --json name it. --max-failures without --serial is a usage error (exit 2,
+    with a JSON document under --json)."""
+    h, _, _ = setup
+    loc = bed["hosts"]["local"]
+    _, after, rid = fresh(h, builds["good"], site_cache, env)
+    inv = tmp_path / "hosts.toml"
+    inv.write_text(host_toml(bed["ssh"], h, bed["supervisor"], deadline=60, import_check=False)
+                   + host_toml(bed["ssh"], loc, bed["supervisor"], deadline=60, import_check=False))
+    env2 = dict(env, DDTREE_DEPLOY_HOSTS=str(inv))
+    loc_before, loc_records = tb.tree_digest(loc.sglang), local_records(env, "local")
+    r = run_cli(["push", "ct200", "local", "--serial", "1", "--build", str(builds["bad_service"].root), "--json"], env2)
+    doc = json.loads(r.stdout)
+    assert doc["untouched"] == ["local"] and [o["host"] for o in doc["results"]] == ["ct200"], doc
+    assert "not touched" in r.stderr and "local" in r.stderr.rpartition("not touched")[2], r.stderr[-2000:]
+    assert result(r)["extra"]["rolled_back"], result(r)
+    settled(h, env2, tree=after, state=rid, code=1, r=r, outcome="failed-rolled-back")
+    assert tb.tree_digest(loc.sglang) == loc_before and local_records(env, "local") == loc_records
+    m = run_cli(["push", "ct200", "--max-failures", "1", "--build", str(builds["good"].root), "--json"], env2)
+    assert m.returncode == 2 and "--serial" in m.stderr and json.loads(m.stdout)["exit_code"] == 2, m.stderr[-1000:]
