@@ -81,6 +81,8 @@ def main() -> None:
 
         if isinstance(exc, ClickException):
             exc.show()
+            if "--json" in sys.argv[1:] and not ui.json_written:  # a usage error is a failure too
+                emit_json({"ok": False, "exit_code": exc.exit_code, "error": exc.format_message()})
             sys.exit(exc.exit_code)
         raise
     # With standalone_mode=False a command's `raise typer.Exit(n)` comes back as the return value.

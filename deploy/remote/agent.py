@@ -151,6 +151,10 @@ def _remove_tmps(sd, rels, tags):
     return removed
 
 
+class HostConfigError(Exception):
+    """The inventory does not fit the host (the client reports a configuration error, exit 2)."""
+
+
 def _sglang_dir(given):
     if given:
         return given
@@ -158,7 +162,8 @@ def _sglang_dir(given):
 
     spec = importlib.util.find_spec("sglang")
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("sglang is not importable with %s" % sys.executable)
+        raise HostConfigError("sglang is not importable with %s (check `python` or `sglang_dir` in the inventory)"
+                              % sys.executable)
     return list(spec.submodule_search_locations)[0]
 
 
@@ -501,6 +506,8 @@ def op_record(p):
     """Update release.json (and current.json); with `cleanup`, remove the release's temp files in the
     package; with `journal`, append that step last (a terminal step once everything above is done)."""
     path = os.path.join(p["state_dir"], "releases", p["release_id"], "release.json")
+    if p.get("drop_uploads"):  # an aborted upload (a full disk): its files go first, to make room for the record
+        shutil.rmtree(os.path.join(os.path.dirname(path), "files"), ignore_errors=True)
     rec = _read_json(path) or {"id": p["release_id"]}
     rec.update(p["updates"])
     _write_json(path, rec)
@@ -573,7 +580,7 @@ OPS = {
     "verify": (op_verify, ("state_dir", "release_id", "sglang_dir", "files"), ("import_check", "timeout")),
     "apply": (op_apply, ("state_dir", "release_id", "sglang_dir", "targets", "tag"), ("phase", "forward_tag")),
     "journal": (op_journal, ("state_dir", "release_id", "step"), ("info",)),
-    "record": (op_record, ("state_dir", "release_id", "updates"), ("current", "cleanup", "journal", "info")),
+    "record": (op_record, ("state_dir", "release_id", "updates"), ("current", "cleanup", "journal", "info", "drop_uploads")),
     "prune": (op_prune, ("state_dir", "keep"), ("protect",)),
     "read": (op_read, ("path",), ("state_dir",)),
     "http": (op_http, ("url",), ("json", "timeout", "state_dir")),
@@ -635,6 +642,8 @@ def main():
             raise TypeError(why)
         out = OPS[op][0](payload)
         code = 0
+    except HostConfigError as exc:
+        out, code = {"agent_error": str(exc), "config_error": True}, 3
     except Exception as exc:
         out, code = {"agent_error": "%s: %s" % (type(exc).__name__, exc)}, 3
     if save is not None:

@@ -71,6 +71,8 @@ def call_agent(t: Transport, op: str, payload: dict, timeout_s: int | None = Non
     out = json.loads(line[len(MARK):])
     if sends_source:
         t.agent_stored = bool(out.pop("_saved", False))
+    if out.get("config_error"):
+        raise ConfigError(f"{t.label}: {out['agent_error']}")
     if "agent_error" in out:
         raise AgentError(f"{t.label}: remote {op} failed: {out['agent_error']}")
     return out

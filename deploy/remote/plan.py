@@ -147,9 +147,15 @@ def space_shortfall(facts: HostFacts, build: BuildInfo, margin_mb: int) -> str |
     new = sum(f.size for f in build.files.values())
     old = sum(f.remote_size for f in facts.files)
     need = {"sglang": (new + old) // (1 << 20) + 1 + margin_mb, "state": (new + old) // (1 << 20) + 1 + margin_mb}
-    low = [f"{k} filesystem has {facts.free_mb.get(k)} MB free, needs {v} MB" for k, v in need.items()
+    low = [f"{k} filesystem has {_size(facts, k)} free, needs {v} MB" for k, v in need.items()
            if facts.free_mb.get(k, 0) < v]
     return "; ".join(low) or None
+
+
+def _size(facts: HostFacts, k: str) -> str:
+    """Free space as read: MB, or kB below 10 MB (500 kB free is not `0 MB`)."""
+    mb, b = facts.free_mb.get(k), (facts.free_bytes or {}).get(k)
+    return f"{b // 1024} kB" if b is not None and b < 10 << 20 else f"{mb} MB"
 
 
 def add_diffs(t: Transport, build: BuildInfo, p: Plan) -> None:

@@ -15,6 +15,7 @@ restarts and checks health again.
 from __future__ import annotations
 
 import secrets
+import shlex
 import threading
 import time
 from dataclasses import dataclass, field
@@ -127,12 +128,20 @@ class Releaser:
     def _journal(self, rid: str, step: str, **info) -> None:
         self._agent("journal", {"release_id": rid, "step": step, "info": info})
 
-    def _finish(self, rid: str, step: str, updates: dict, sglang_dir: str, files, current: dict | None = None) -> None:
+    def _finish(self, rid: str, step: str, updates: dict, sglang_dir: str, files, current: dict | None = None,
+                drop_uploads: bool = False) -> None:
         """Terminal journal step, after release.json/current.json and the removal of temp files."""
         self._agent("record", {"release_id": rid, "updates": updates, "current": current, "journal": step,
-                               "cleanup": {"sglang_dir": sglang_dir, "files": sorted(files), "tags": [rid, rid + "-undo"]}})
+                               "cleanup": {"sglang_dir": sglang_dir, "files": sorted(files), "tags": [rid, rid + "-undo"]},
+                               "drop_uploads": drop_uploads})
         if self.open_rid == rid:
             self.open_rid = None
+
+    def _state_free(self) -> str:
+        """`; the state filesystem has N kB free` (best effort, for an upload that failed on the host)."""
+        r = self.t.run(f"df -Pk {shlex.quote(self.h.state_dir)} | tail -n 1", 30)
+        cols = r.stdout.split()
+        return f"; the state filesystem has {cols[3]} kB free" if r.ok and len(cols) > 3 and cols[3].isdigit() else ""
 
     def _rdir(self, rid: str) -> str:
         return f"{self.h.state_dir}/releases/{rid}"
@@ -165,8 +174,9 @@ class Releaser:
                     try:
                         self.t.put(local, f"{self._rdir(rid)}/files/{store_rel(rel)}", lambda n: self.ev.upload(name, n, total))
                     except OSError as exc:  # the state filesystem filled up, ...
-                        self._finish(rid, "aborted", {"outcome": "aborted", "error": str(exc)}, sd, targets)
-                        raise DeployFailed(f"{name}: upload of {rel} failed ({exc}); nothing changed, nothing restarted") from None
+                        err = f"upload of {rel} failed ({exc}{self._state_free()})"
+                        self._finish(rid, "aborted", {"outcome": "aborted", "error": err}, sd, targets, drop_uploads=True)
+                        raise DeployFailed(f"{name}: {err}; nothing changed, nothing restarted") from None
                 self.ev.step(name, "verifying on the host (hash, compile, import with the service python)")
                 v = self._agent("verify", {"release_id": rid, "sglang_dir": sd, "import_check": self.h.import_check,
                                            "files": {r: targets[r]["sha256"] for r in uploads}, "timeout": 900}, 960)

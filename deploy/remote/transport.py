@@ -232,6 +232,10 @@ class SSHTransport(Transport):
         try:
             self.conn.sftp().put(str(local), remote, callback=cb)
         except (TimeoutError, OSError, EOFError) as exc:
+            if isinstance(exc, OSError) and not isinstance(exc, TimeoutError) and self.conn.is_connected \
+                    and self.conn.transport.is_active():
+                # the connection is fine: the host refused the write (SFTP "Failure": a full disk, ...)
+                raise OSError(f"the host could not write {remote} ({exc})") from None
             raise TransportLost(f"{self.host.name}: upload of {remote} failed ({type(exc).__name__}: {exc})") from None
 
 

@@ -256,3 +256,45 @@ def test_serial_rollout_stops_at_the_first_failed_host(bed, setup, builds, site_
     assert tb.tree_digest(loc.sglang) == loc_before and local_records(env, "local") == loc_records
     m = run_cli(["push", "ct200", "--max-failures", "1", "--build", str(builds["good"].root), "--json"], env2)
     assert m.returncode == 2 and "--serial" in m.stderr and json.loads(m.stdout)["exit_code"] == 2, m.stderr[-1000:]
+
+
+# -- 7. a full state disk during the upload is not a lost connection ---------------------------------------
+def test_a_full_state_disk_during_upload_is_reported_as_such(setup, builds, site_cache, env):
+    """ct200's state dir on a tmpfs (mounted for the whole machine: sshd's sessions see it) just big
+    enough for the preflight, filled after the first upload: the SFTP write fails on the host while
+    the connection is fine. Exit 1 naming the upload and the free space (not 'connection lost',
+    not 8), the release aborted, the package untouched."""
+    h, _, _ = setup
+    good = builds["good"]
+    tb.reset_host(h, good, site_cache)
+    pristine = tb.tree_digest(h.sglang)
+    old = sum((h.sglang / rel).stat().st_size for rel in good.files if (h.sglang / rel).is_file())
+    need_mb = (sum(f.size for f in good.files.values()) + old) // (1 << 20) + 1 + 64  # space_shortfall, min_free_mb 64
+    h.state.mkdir(exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={need_mb + 8}m", "ddtree-report-enospc", str(h.state)], check=True)
+    try:
+        filler = h.state / ".enospc-filler"
+        r = run_cli(["push", "ct200", "--build", str(good.root), "--json"],
+                    dict(env, DDTREE_TEST_FAULT="fill@put#1", DDTREE_TEST_FAULT_FILL=str(filler)))
+        res = result(r)
+        assert "upload of" in res["message"] and "kB free" in res["message"], res["message"]
+        assert "connection lost" not in res["message"] and not res["changed"], res
+        filler.unlink()
+        settled(h, env, tree=pristine, state=None, code=1, r=r, outcome="failed")
+        assert newest_release(h)["outcome"] == "aborted"
+    finally:
+        subprocess.run(["umount", str(h.state)], check=False)
+
+
+# -- 9. the small ones --------------------------------------------------------------------------------------
+def test_a_python_without_sglang_is_a_configuration_error(bed, setup, builds, site_cache, env, tmp_path):
+    """`python` in the inventory names an interpreter without sglang: exit 2 (configuration), the
+    host untouched, the lock freed, the local record `config-error`."""
+    h, _, _ = setup
+    _, after, rid = fresh(h, builds["good"], site_cache, env)
+    inv = tmp_path / "hosts.toml"
+    inv.write_text(host_toml(bed["ssh"], h, bed["supervisor"], deadline=60, import_check=False)
+                   .replace(f'python = "{h.python}"', 'python = "/usr/bin/python3"'))
+    r = run_cli(["push", "ct200", "--build", str(builds["good"].root), "--json"], dict(env, DDTREE_DEPLOY_HOSTS=str(inv)))
+    assert "sglang is not importable" in result(r)["message"], result(r)
+    settled(h, env, tree=after, state=rid, code=2, r=r, outcome="config-error")
