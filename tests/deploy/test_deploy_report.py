@@ -7,7 +7,8 @@ with the same four checks (`settled`):
 * the exit code and the result row's code as docs/DEPLOY.md's table says,
 * the local record's outcome (deploy-state/<host>.jsonl) what happened.
 
-They share the session's test bed and one module setup; each is a few seconds to ~40 s."""
+They share the session's test bed and one module setup; most take 5-60 s on 2 cores (a push with
+its restart and health gate is ~15 s); the two over a minute say why."""
 
 from __future__ import annotations
 
@@ -169,7 +170,8 @@ def test_rollback_after_an_unfinished_push_reports_what_it_did(setup, builds, si
 # -- 3. drift is what is on disk ---------------------------------------------------------------------------
 def test_a_hand_edit_put_back_by_rollback_shows_as_drift(setup, builds, site_cache, env):
     """push --force over a hand-edited file, then rollback: the edit is back on disk, and status,
-    plan and push all see it (drifted), whatever put it there."""
+    plan and push all see it (drifted), whatever put it there. Over 60 s on 2 cores: three
+    transitions (push, push --force, rollback), each with a restart and a health gate."""
     h, _, other = setup
     good = builds["good"]
     _, after, rid = fresh(h, good, site_cache, env)
@@ -194,7 +196,8 @@ def test_a_hand_edit_put_back_by_rollback_shows_as_drift(setup, builds, site_cac
 # -- 4. a stopped service is seen ------------------------------------------------------------------------
 def test_push_of_the_build_in_place_starts_a_stopped_service(setup, builds, site_cache, env):
     """The service is stopped: push of the build already there restarts it (health gate), says so;
-    `ddtree-deploy restart` does the same on request. Both journaled, nothing else changed."""
+    `ddtree-deploy restart` does the same on request. Both journaled, nothing else changed. Over
+    60 s on 2 cores: a push and two restarts, each with the health gate, and three status calls."""
     h, _, _ = setup
     good = builds["good"]
     _, after, rid = fresh(h, good, site_cache, env)
