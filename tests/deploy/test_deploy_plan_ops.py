@@ -101,8 +101,10 @@ def test_plan_is_what_push_does(setup, cli_env, site_cache, tmp_path):
     assert plan["noop"] and [op["kind"] for op in plan["operations"]] == ["nothing"]
     res = push_logged(other, env, log)
     assert res["returncode"] == 0 and not res["changed"] and "nothing to do" in res["message"]
-    # push takes the lock before it reads the host, so "nothing" is: lock, one facts read, unlock
-    assert [tag.rpartition("#")[0] for tag in res["ops"]] == ["lock", "facts", "unlock"], res["ops"]
+    # push takes the lock before it reads the host, so "nothing" is: lock, one facts read, one
+    # liveness check of the service (a stopped one would be restarted), unlock
+    kinds = [tag.rpartition("#")[0] for tag in res["ops"]]
+    assert kinds[:2] == ["lock", "facts"] and kinds[-1] == "unlock" and len(kinds) == 4 and kinds[2].startswith("sh:"), kinds
 
 
 def test_plan_refusal_is_the_push_error(setup, cli_env):
