@@ -361,8 +361,13 @@ def test_local_push_and_rollbacks(bed, builds, site_cache, cli_env):
     assert not (h.sglang / "srt/speculative/ddtree_utils.py").exists()
     st = json.loads(run_cli(["status", "local", "--json"], cli_env).stdout)
     assert st["healthy"] and st["speculative_algorithm"] == "DFLASH"
-    kept = releases(h)  # keep_releases = 3: pruned, but never the current state's release
-    assert len(kept) <= 3 and json.loads((h.state / "current.json").read_text())["release"] in kept
+    # keep_releases = 3: deployed pushes take the slots (so `--to` finds them), rollbacks are kept
+    # apart (the newest 3), never the current state's release pruned
+    kept = releases(h)
+    recs = {r: json.loads((h.state / "releases" / r / "release.json").read_text()) for r in kept}
+    pushes = [r for r in kept if recs[r].get("action") == "push" and recs[r].get("outcome") == "deployed"]
+    assert rid in pushes and len(pushes) <= 3 and len(kept) - len(pushes) <= 3, recs
+    assert json.loads((h.state / "current.json").read_text())["release"] in kept
     log = [json.loads(x) for x in (Path(cli_env["DDTREE_DEPLOY_STATE"]) / "local.jsonl").read_text().splitlines()]
     assert [x["outcome"] for x in log] == ["done"] * 4 and log[0]["build_id"] == good.build_id
     r = run_cli(["rollback", "local", "--to", "no-such-release"], cli_env)
