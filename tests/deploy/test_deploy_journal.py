@@ -431,6 +431,9 @@ def test_state_dir_enospc_at_each_step(bed, builds, site_cache, cli_env, tmp_pat
         assert res["changed"] == (d1 != pristine), (point, res)  # the report tells what the host has
         if rc == 0:
             assert d1 == after, (point, res)
+        elif rc == 6:  # filled right after the lock, before the facts: the preflight sees the full disk
+            assert point == "lock#1" and d1 == pristine, (point, res)
+            assert "not enough disk" in res["message"] and "nothing changed" in res["message"], (point, res["message"])
         else:
             assert rc in (1, 8), (point, rc, res["message"], r["err"])
             assert "No space left on device" in res["message"], (point, res["message"])
