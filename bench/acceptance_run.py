@@ -40,7 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 try:
-    from ddtree_deploy.deploy import bench as B  # noqa: E402
+    from ddtree_deploy.deploy.remote import bench as B  # noqa: E402
 except ImportError:  # the GPU machine has the checkout, not the installed toolkit: map deploy/ itself
     import importlib.util
     import types
@@ -51,7 +51,7 @@ except ImportError:  # the GPU machine has the checkout, not the installed toolk
     )
     sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)
     _spec.loader.exec_module(sys.modules[_spec.name])
-    from ddtree_deploy.deploy import bench as B  # noqa: E402
+    from ddtree_deploy.deploy.remote import bench as B  # noqa: E402
 
 COMMON = ("--skip-tokenizer-init --sampling-backend pytorch --disable-piecewise-cuda-graph "
           "--grammar-backend none --mem-fraction-static 0.85 --max-total-tokens 65536 --cuda-graph-max-bs 32 "

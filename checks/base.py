@@ -8,9 +8,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..deploy import snapshot as snap
-from ..deploy.build import REPO_ROOT, Inputs
-from ..deploy.buildinfo import BuildInfo, load_build
+from ..deploy.build import snapshot as snap
+from ..deploy.build.build import REPO_ROOT, Inputs
+from ..deploy.build.buildinfo import BuildInfo, load_build
 
 PASS, FAIL, SKIP = "pass", "fail", "skip"
 Step = Callable[[str], None]  # a gate reports what it is doing now (progress output)

@@ -15,8 +15,8 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+from ..deploy.build.series import run_git
 from ..deploy.errors import ConfigError
-from ..deploy.series import run_git
 from .base import FAIL, PASS, Context, GateResult, Step
 
 NUMBER, NAME = 5, "lint (changed lines)"

@@ -6,10 +6,10 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from ..deploy import snapshot as snap
-from ..deploy.build import prepare, shipped_sources, tree_files
-from ..deploy.buildinfo import METADATA_NAMES, sha256_file
-from ..deploy.series import SHIPPED_FILES, SHIPPED_UTILS, apply_series
+from ..deploy.build import snapshot as snap
+from ..deploy.build.build import prepare, shipped_sources, tree_files
+from ..deploy.build.buildinfo import METADATA_NAMES, sha256_file
+from ..deploy.build.series import SHIPPED_FILES, SHIPPED_UTILS, apply_series
 from .base import FAIL, PASS, Context, GateResult, Step
 
 NUMBER, NAME = 3, "round trip"

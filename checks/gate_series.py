@@ -6,8 +6,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from ..deploy.build import assemble, prepare
-from ..deploy.series import patch_files
+from ..deploy.build.build import assemble, prepare
+from ..deploy.build.series import patch_files
 from .base import PASS, Context, GateResult, Step
 
 NUMBER, NAME = 2, "series"

@@ -3,7 +3,7 @@ the build's pin.
 
 Runs `<python> <repo>/checks/sglang_smoke.py --build <build>` (written with the patch series; exit 0 ok,
 1 failure, 77 skipped when no sglang test environment of that version exists) with the pin's
-sglang site first on PYTHONPATH when it has one (deploy.pins.sglang_env: `<venv>/sglang-sites/<V>/`,
+sglang site first on PYTHONPATH when it has one (deploy.build.pins.sglang_env: `<venv>/sglang-sites/<V>/`,
 installed by scripts/install_sglang_env.sh). Skipped when that module is absent.
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..deploy.buildinfo import MANIFEST_NAME
-from ..deploy.pins import sglang_env
+from ..deploy.build.buildinfo import MANIFEST_NAME
+from ..deploy.build.pins import sglang_env
 from .base import FAIL, PASS, SKIP, Context, GateResult, Step
 
 NUMBER, NAME = 6, "sglang smoke"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..deploy import snapshot as snap
+from ..deploy.build import snapshot as snap
 from .base import FAIL, PASS, Context, GateResult, Step
 
 NUMBER, NAME = 1, "snapshot"

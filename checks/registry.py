@@ -11,7 +11,7 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-from ..deploy.buildinfo import GATES_RECORD, load_build, record_verdict
+from ..deploy.build.buildinfo import GATES_RECORD, load_build, record_verdict
 from ..deploy.errors import DDTreeDeployError, UsageError
 from . import (
     gate_compile,

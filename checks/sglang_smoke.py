@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path
 
 OK, FAILED, USAGE, SKIPPED = 0, 1, 2, 77
-# Build metadata, not package files: deploy.buildinfo.METADATA_NAMES, repeated because this
+# Build metadata, not package files: deploy.build.buildinfo.METADATA_NAMES, repeated because this
 # module stays stdlib-only (it also runs as a script in the overlay Python); a test keeps them equal.
 METADATA_NAMES = frozenset({"BUILD-MANIFEST.json", "GATES.json"})
 REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -6,7 +6,7 @@
 #                 speculative / server_args modules import; torch 2.14.1 CPU-capable)
 #   0.5.16        into VENV/sglang-sites/0.5.16 (pip --no-deps --target: sglang 0.5.16 and the
 #                 packages whose versions differ from the venv's), put ahead of the venv's own
-#                 site-packages on PYTHONPATH by whoever runs it (deploy.pins.sglang_env)
+#                 site-packages on PYTHONPATH by whoever runs it (deploy.build.pins.sglang_env)
 #
 # A pin's site is VENV/sglang-sites/<version>/; `ddtree-deploy check` (gate 6) and the tests look
 # for it there (or under $DDTREE_SGLANG_SITES/<version>/ when that is set).

@@ -78,7 +78,7 @@ class Project:
         return self.build_root / f"sglang-{self.version}"
 
     def inputs(self):
-        from ddtree_deploy.deploy.build import Inputs
+        from ddtree_deploy.deploy.build.build import Inputs
 
         return Inputs(self.snapshot_dir, self.patches_dir, self.build_root, self.utils)
 

@@ -6,11 +6,16 @@ import hashlib
 import json
 
 import pytest
-from ddtree_deploy.deploy import build as build_mod
-from ddtree_deploy.deploy.build import Inputs, build
-from ddtree_deploy.deploy.buildinfo import MANIFEST_NAME, compute_build_id, load_build
+from ddtree_deploy.deploy.build import build as build_mod
+from ddtree_deploy.deploy.build.build import Inputs, build
+from ddtree_deploy.deploy.build.buildinfo import (
+    MANIFEST_NAME,
+    compute_build_id,
+    load_build,
+)
+from ddtree_deploy.deploy.build.series import SHIPPED_UTILS
 from ddtree_deploy.deploy.errors import EXIT_PATCH, EXIT_SNAPSHOT, EXIT_USAGE
-from ddtree_deploy.deploy.series import SHIPPED_FILES, SHIPPED_MODULES, SHIPPED_UTILS
+from ddtree_deploy.deploy.build.series import SHIPPED_FILES, SHIPPED_MODULES
 from foundation_support import REPO_ROOT, UPSTREAM, edit, error_lines, udiff
 
 MOD = "srt/speculative/mod.py"
@@ -218,7 +223,7 @@ def test_each_pin_ships_exactly_what_its_patches_import(tmp_path):
     here, independent of the builder's AST reading); ddtree_reference.py is never shipped."""
     import re
 
-    from ddtree_deploy.deploy import pins
+    from ddtree_deploy.deploy.build import pins
 
     for pin in pins.select(None):
         dest = tmp_path / pin.version
@@ -248,7 +253,7 @@ def test_real_repository_series_builds_and_reverses(tmp_path):
     for rel, f in info.files.items():
         assert f.pristine_sha256 == snapshot.get(rel)
     assert result.warnings == [], "patches should apply without offsets"
-    from ddtree_deploy.deploy.series import apply_series, load_series
+    from ddtree_deploy.deploy.build.series import apply_series, load_series
 
     tree = result.info.root
     (tree / MANIFEST_NAME).unlink()

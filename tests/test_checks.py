@@ -20,7 +20,7 @@ from ddtree_deploy.checks import (
 )
 from ddtree_deploy.checks.base import FAIL, PASS, SKIP, Context
 from ddtree_deploy.checks.registry import GATES, cache_path, run_gates, select
-from ddtree_deploy.deploy.build import build, describe, prepare, write_manifest
+from ddtree_deploy.deploy.build.build import build, describe, prepare, write_manifest
 from ddtree_deploy.deploy.errors import UsageError
 from foundation_support import REPO_ROOT, UPSTREAM, Project, edit, udiff
 
@@ -280,7 +280,7 @@ def test_a_crashing_gate_is_a_failure_not_an_abort(built):
 
 def test_real_repository_build_passes_structural_gates(tmp_path):
     """Gates 1-5 on a fresh build of the repository's own snapshot and series."""
-    from ddtree_deploy.deploy.build import Inputs
+    from ddtree_deploy.deploy.build.build import Inputs
 
     ctx = Context(inputs=Inputs(build_root=tmp_path / "build"), repo_root=REPO_ROOT)
     build(ctx.inputs)

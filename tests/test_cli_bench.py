@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from ddtree_deploy.deploy import bench as B
+from ddtree_deploy.deploy.remote import bench as B
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_fake_sglang import FakeSGLang  # noqa: E402

@@ -6,16 +6,16 @@ import datetime as dt
 import json
 
 import pytest
-from ddtree_deploy.deploy.build import build
-from ddtree_deploy.deploy.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, ConfigError
-from ddtree_deploy.deploy.refresh import refresh
-from ddtree_deploy.deploy.series import (
+from ddtree_deploy.deploy.build.build import build
+from ddtree_deploy.deploy.build.refresh import refresh
+from ddtree_deploy.deploy.build.series import (
     check_header,
     load_series,
     parse_header,
     split_header,
 )
-from ddtree_deploy.deploy.snapshot import PINNED_VERSION
+from ddtree_deploy.deploy.build.snapshot import PINNED_VERSION
+from ddtree_deploy.deploy.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, ConfigError
 from foundation_support import REPO_ROOT, UPSTREAM, edit, error_lines, udiff
 
 MOD = "srt/speculative/mod.py"

@@ -37,3 +37,11 @@ def test_snapshot_error_is_reported_in_json(tmp_path):
     assert r.returncode != 0
     doc = json.loads(r.stdout)  # exactly one document
     assert doc["ok"] is False and doc["exit_code"] == r.returncode
+
+
+def test_usage_error_with_json_is_one_json_document():
+    """A usage error the command line itself catches (here --serial 0) still writes the document."""
+    r = run("push", "somehost", "--serial", "0", "--json")
+    assert r.returncode == 2, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["ok"] is False and doc["exit_code"] == 2 and "--serial" in doc["error"]

@@ -39,7 +39,7 @@ def test_all_lists_every_public_name(name):
 def test_shipped_modules_import_no_oracle_and_nothing_unshipped(name):
     """A shipped module imports the standard library, torch / triton, and its shipped siblings
     only (ddtree_reference is the tests' and is never shipped)."""
-    from ddtree_deploy.deploy.series import SHIPPED_MODULES
+    from ddtree_deploy.deploy.build.series import SHIPPED_MODULES
 
     siblings = {m[:-3] for m in SHIPPED_MODULES}
     tree = ast.parse((ROOT / f"{name}.py").read_text())

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from ddtree_deploy.checks.base import FAIL, PASS, SKIP, GateResult
 from ddtree_deploy.checks.registry import GATES, record_gates
-from ddtree_deploy.deploy.build import Inputs, build
-from ddtree_deploy.deploy.buildinfo import GATES_RECORD, gates_verdict, load_build
+from ddtree_deploy.deploy.build.build import Inputs, build
+from ddtree_deploy.deploy.build.buildinfo import GATES_RECORD, gates_verdict, load_build
 
 CLI = Path(sys.executable).parent / "ddtree-deploy"
 INVENTORY = """\

@@ -1,4 +1,4 @@
-"""Pins (deploy/pins.py): every build-side command per pin, on a synthetic project with two pins
+"""Pins (deploy/build/pins.py): every build-side command per pin, on a synthetic project with two pins
 (snapshot/sglang-<V>/ + patches/<V>/series each), and the repository's own pins against their
 real SGLang (gate 6, the 0.5.16 test site)."""
 
@@ -11,9 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from ddtree_deploy.deploy import pins
-from ddtree_deploy.deploy.build import build
-from ddtree_deploy.deploy.buildinfo import GATES_RECORD, MANIFEST_NAME, load_build
+from ddtree_deploy.deploy.build import pins
+from ddtree_deploy.deploy.build.build import build
+from ddtree_deploy.deploy.build.buildinfo import GATES_RECORD, MANIFEST_NAME, load_build
+from ddtree_deploy.deploy.build.series import load_series
 from ddtree_deploy.deploy.errors import (
     EXIT_OK,
     EXIT_SNAPSHOT,
@@ -21,7 +22,6 @@ from ddtree_deploy.deploy.errors import (
     ConfigError,
     UsageError,
 )
-from ddtree_deploy.deploy.series import load_series
 from foundation_support import REPO_ROOT, UPSTREAM, Project, edit, error_lines, udiff
 
 MOD = "srt/speculative/mod.py"
@@ -172,7 +172,7 @@ def test_check_per_pin_names_the_failing_pin(two, ddtree):
 def test_gate_7_runs_once_for_every_pin(two, tmp_path):
     """The ddtree_utils tests do not depend on the pin: one pytest run, its result recorded per pin."""
     from ddtree_deploy.checks import registry
-    from ddtree_deploy.deploy.cli_build import _gate_pins
+    from ddtree_deploy.deploy.cli.build_cmds import _gate_pins
 
     tests = tmp_path / "tests"
     tests.mkdir()

@@ -7,13 +7,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from foundation_support import HEADER, REPO_ROOT, UPSTREAM, edit, udiff
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
-from ddtree_deploy.deploy.errors import EXIT_PATCH, EXIT_USAGE, ConfigError, PatchApplyError
-from ddtree_deploy.deploy.snapshot import PINNED_VERSION
-from ddtree_deploy.deploy.series import (
+from ddtree_deploy.deploy.build.series import (
     apply_patch,
     check_header,
     diff_file,
@@ -22,6 +16,16 @@ from ddtree_deploy.deploy.series import (
     patch_files,
     split_header,
 )
+from ddtree_deploy.deploy.build.snapshot import PINNED_VERSION
+from ddtree_deploy.deploy.errors import (
+    EXIT_PATCH,
+    EXIT_USAGE,
+    ConfigError,
+    PatchApplyError,
+)
+from foundation_support import HEADER, REPO_ROOT, UPSTREAM, edit, udiff
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 MOD = "srt/speculative/mod.py"
 

@@ -11,10 +11,15 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from ddtree_deploy.deploy.build import snapshot as snap
+from ddtree_deploy.deploy.errors import (
+    EXIT_SNAPSHOT,
+    EXIT_USAGE,
+    ConfigError,
+    SnapshotError,
+    UsageError,
+)
 from foundation_support import REPO_ROOT, UPSTREAM, error_lines, sha
-
-from ddtree_deploy.deploy import snapshot as snap
-from ddtree_deploy.deploy.errors import EXIT_SNAPSHOT, EXIT_USAGE, ConfigError, SnapshotError, UsageError
 
 REAL = snap.snapshot_dir_for(snap.PINNED_VERSION, REPO_ROOT / "snapshot")
 

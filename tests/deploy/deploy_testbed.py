@@ -16,7 +16,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ddtree_deploy.deploy.buildinfo import MANIFEST_NAME, BuildFile, BuildInfo, compute_build_id, load_build, sha256_file
+from ddtree_deploy.deploy.build.buildinfo import (
+    MANIFEST_NAME,
+    BuildFile,
+    BuildInfo,
+    compute_build_id,
+    load_build,
+    sha256_file,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 SGLANG_VERSION = "0.5.13.post1"
@@ -72,13 +79,13 @@ def tree_digest(root: Path) -> dict[str, str]:
 # -- builds -----------------------------------------------------------------------------------------
 def real_build(dest_root: Path) -> BuildInfo:
     """The project's own build (snapshot + patch series + ddtree_utils.py)."""
-    from ddtree_deploy.deploy.build import Inputs, build
+    from ddtree_deploy.deploy.build.build import Inputs, build
 
     return build(Inputs(build_root=dest_root)).info
 
 
 def derive_build(base: BuildInfo, dest: Path, changes: dict[str, bytes]) -> BuildInfo:
-    """A copy of `base` with some files replaced; manifest written with deploy.buildinfo."""
+    """A copy of `base` with some files replaced; manifest written with deploy.build.buildinfo."""
     dest.mkdir(parents=True)
     files = {}
     for rel, f in base.files.items():

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-AGENT = Path(__file__).resolve().parents[2] / "deploy" / "remote_agent.py"
+AGENT = Path(__file__).resolve().parents[2] / "deploy" / "remote" / "agent.py"
 
 SCRIPT = r'''
 import importlib.util, json, os, sys

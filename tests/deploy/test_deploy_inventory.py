@@ -8,12 +8,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from ddtree_deploy.deploy.errors import EXIT_USAGE, ConfigError
-from ddtree_deploy.deploy.inventory import (
+from ddtree_deploy.deploy.config.inventory import (
     PidfileRestart,
     SystemdRestart,
     load_inventory,
 )
+from ddtree_deploy.deploy.errors import EXIT_USAGE, ConfigError
 
 GOOD = """\
 [hosts.bastion-gpu]

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import deploy_testbed as tb
 import pytest
-from ddtree_deploy.deploy.buildinfo import sha256_file
+from ddtree_deploy.deploy.build.buildinfo import sha256_file
 from deploy_cli import host_toml, run_cli
 
 pytestmark = [pytest.mark.ssh, pytest.mark.slow, pytest.mark.timeout(900)]
@@ -136,8 +136,12 @@ def test_kill_and_drop_at_every_step(setup, cli_env, site_cache, tmp_path, kind)
             cur = nxt if which == nxt.build_id else cur
     # both outcomes happened for each fault kind: before the swap the host keeps its build, after healthy the new one
     assert seen[kind] == {True, False}, seen
-    # the failed attempts (aborted, rolled back) took no keep_releases slot: the 3 newest successful
-    # releases are still on the host
+    # a kill after the release record and before the prune leaves one release too many: the next
+    # push prunes it. After that clean push, the failed attempts (aborted, rolled back) took no
+    # keep_releases slot: the 3 newest successful releases are still on the host
+    nxt = a if cur is b else b
+    r = run_cli(["push", "ct200", "--build", str(nxt.root)], env)
+    assert r.returncode == 0, r.stderr
     recs = [json.loads((d / "release.json").read_text()) for d in sorted((h.state / "releases").iterdir())]
     assert len([r for r in recs if r.get("outcome") in ("deployed", "done")]) == 3, [(r["id"], r.get("outcome")) for r in recs]
     print(f"{len(points if kind == 'kill' else drop_points)} {kind} fault points in {time.monotonic() - t0:.0f}s")
@@ -370,14 +374,19 @@ def test_enospc_at_each_step(bed, builds, site_cache, cli_env, tmp_path):
         for point in points:
             rc, digest, err = run_in_ns(f"fill@{point}", tmp_path / _dirname(point))
             swapped_before_fill = ops.index(point) >= ops.index("apply#1")
+            before_preflight = ops.index(point) < ops.index("facts#1")  # the lock comes first: the facts see the full disk
             if swapped_before_fill:
                 assert rc == 0 and digest == after, (point, err[-2000:])
+            elif before_preflight:
+                assert rc == 6 and digest == pristine, (point, rc, err[-2000:])
+                msg = json.loads((tmp_path / _dirname(point) / "push.json").read_text())["results"][0]["message"]
+                assert "not enough disk" in msg and "nothing changed" in msg, (point, msg)
             else:
                 assert rc == 1 and digest == pristine, (point, rc, sorted(set(digest) ^ set(pristine))[:5], err[-2000:])
                 msg = json.loads((tmp_path / _dirname(point) / "push.json").read_text())["results"][0]["message"]
                 assert "No space left on device" in msg and "nothing changed" in msg, (point, msg)
             j = journals(h)
-            assert j and all(v[-1]["step"] in TERMINAL for v in j.values()), (point, j)
+            assert (j or before_preflight) and all(v[-1]["step"] in TERMINAL for v in j.values()), (point, j)
             assert not (h.state / "lock").exists()
     finally:
         _stop_local_service(h)
@@ -433,6 +442,9 @@ def test_state_dir_enospc_at_each_step(bed, builds, site_cache, cli_env, tmp_pat
         assert res["changed"] == (d1 != pristine), (point, res)  # the report tells what the host has
         if rc == 0:
             assert d1 == after, (point, res)
+        elif rc == 6:  # filled right after the lock, before the facts: the preflight sees the full disk
+            assert point == "lock#1" and d1 == pristine, (point, res)
+            assert "not enough disk" in res["message"] and "nothing changed" in res["message"], (point, res["message"])
         else:
             assert rc in (1, 8), (point, rc, res["message"], r["err"])
             assert "No space left on device" in res["message"], (point, res["message"])

@@ -1,4 +1,4 @@
-"""The launch flags travel with the release ([hosts.X.launch], deploy/launch.py).
+"""The launch flags travel with the release ([hosts.X.launch], deploy/config/launch.py, deploy/remote/envfile.py).
 
 Two hosts of their own (so the shared ct200 / gpu-b keep their fixed flags): `ct-launch` (loopback
 sshd, a unit for the systemctl shim with `EnvironmentFile=-<env>` and `$SGLANG_SPEC_ARGS` on its
@@ -19,10 +19,10 @@ from pathlib import Path
 
 import deploy_testbed as tb
 import pytest
-from ddtree_deploy.deploy import launch
-from ddtree_deploy.deploy.buildinfo import sha256_file
+from ddtree_deploy.deploy.build.buildinfo import sha256_file
+from ddtree_deploy.deploy.config import launch
+from ddtree_deploy.deploy.config.inventory import load_inventory
 from ddtree_deploy.deploy.errors import ConfigError
-from ddtree_deploy.deploy.inventory import load_inventory
 from deploy_cli import VENV_BIN, host_toml, run_cli
 
 ENV_REL = "etc/sglang/ddtree.env"
@@ -201,7 +201,7 @@ def test_systemd_push_turns_ddtree_on_and_rollback_restores_flags(lbed, builds, 
     rec = json.loads((h.state / "releases" / rid / "release.json").read_text())
     assert rec["launch"]["args"] == DDTREE_ARGS and rec["launch"]["previous_expect_algorithm"] == "DFLASH"
     assert rec["files"][str(env_file)] == sha256_file(env_file)
-    assert rec["backup"][str(env_file)] == launch._sha(pristine_env)
+    assert rec["backup"][str(env_file)] == launch.sha256_of(pristine_env)
     assert (h.state / "releases" / rid / "backup" / "@abs" / env_file.relative_to("/")).read_bytes() == pristine_env
     assert (h.state / "pristine" / "@abs" / env_file.relative_to("/")).read_bytes() == pristine_env
     st = status("ct-launch", lenv)

@@ -1,5 +1,5 @@
 """push / plan / status pick the build of the pin matching each host's installed SGLang version
-(deploy.pins), against real test hosts over real sshd: ct200 (sglang 0.5.13.post1, the bed's),
+(deploy.build.pins), against real test hosts over real sshd: ct200 (sglang 0.5.13.post1, the bed's),
 `pin16`, whose service python sees the real sglang 0.5.16 test site, and `pin14`, a real sglang
 0.5.14 install (a version without a pin), which is refused with the list of pins."""
 
@@ -12,10 +12,10 @@ from pathlib import Path
 
 import deploy_testbed as tb
 import pytest
-from ddtree_deploy.deploy import pins
-from ddtree_deploy.deploy.build import Inputs, build
-from ddtree_deploy.deploy.buildinfo import sha256_file
-from ddtree_deploy.deploy.series import load_series
+from ddtree_deploy.deploy.build import pins
+from ddtree_deploy.deploy.build.build import Inputs, build
+from ddtree_deploy.deploy.build.buildinfo import sha256_file
+from ddtree_deploy.deploy.build.series import load_series
 from deploy_cli import host_toml, run_cli
 
 pytestmark = [pytest.mark.ssh, pytest.mark.slow, pytest.mark.timeout(600)]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import deploy_testbed as tb
 import pytest
-from ddtree_deploy.deploy.buildinfo import sha256_file
+from ddtree_deploy.deploy.build.buildinfo import sha256_file
 from deploy_cli import CLI, host_toml, run_cli
 
 pytestmark = [pytest.mark.ssh, pytest.mark.slow, pytest.mark.timeout(600)]
@@ -161,12 +161,12 @@ def test_health_deadline_rolls_back(bed, ct200_good, builds, cli_env, tmp_path):
 def test_connection_drop_mid_upload(ct200_good, builds, cli_env):
     """The faulty transport double (tests/deploy/faults) really closes the SSH connection after the
     first uploaded file; the tool must reconnect, mark the release aborted and release the lock, and
-    the host must be unchanged."""
+    the host must be unchanged: exit 5."""
     h = ct200_good
     before, pid = tb.tree_digest(h.sglang), pid_of(h)
     env = dict(cli_env, DDTREE_TEST_FAULT="drop@put#1")
     r = run_cli(["push", "ct200", "--build", str(builds["hang_service"].root), "--json"], env)
-    assert r.returncode == 1, r.stderr
+    assert r.returncode == 5, r.stderr  # a lost connection before any change (docs/DEPLOY.md, exit codes)
     res = results(r)["ct200"]
     assert "connection lost" in res["message"] and "host is unchanged" in res["message"]
     assert tb.tree_digest(h.sglang) == before and pid_of(h) == pid
@@ -361,8 +361,13 @@ def test_local_push_and_rollbacks(bed, builds, site_cache, cli_env):
     assert not (h.sglang / "srt/speculative/ddtree_utils.py").exists()
     st = json.loads(run_cli(["status", "local", "--json"], cli_env).stdout)
     assert st["healthy"] and st["speculative_algorithm"] == "DFLASH"
-    kept = releases(h)  # keep_releases = 3: pruned, but never the current state's release
-    assert len(kept) <= 3 and json.loads((h.state / "current.json").read_text())["release"] in kept
+    # keep_releases = 3: deployed pushes take the slots (so `--to` finds them), rollbacks are kept
+    # apart (the newest 3), never the current state's release pruned
+    kept = releases(h)
+    recs = {r: json.loads((h.state / "releases" / r / "release.json").read_text()) for r in kept}
+    pushes = [r for r in kept if recs[r].get("action") == "push" and recs[r].get("outcome") == "deployed"]
+    assert rid in pushes and len(pushes) <= 3 and len(kept) - len(pushes) <= 3, recs
+    assert json.loads((h.state / "current.json").read_text())["release"] in kept
     log = [json.loads(x) for x in (Path(cli_env["DDTREE_DEPLOY_STATE"]) / "local.jsonl").read_text().splitlines()]
     assert [x["outcome"] for x in log] == ["done"] * 4 and log[0]["build_id"] == good.build_id
     r = run_cli(["rollback", "local", "--to", "no-such-release"], cli_env)

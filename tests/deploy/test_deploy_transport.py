@@ -8,10 +8,10 @@ import time
 from pathlib import Path
 
 import pytest
-from ddtree_deploy.deploy.agent_client import call_agent
+from ddtree_deploy.deploy.config.inventory import load_inventory
 from ddtree_deploy.deploy.errors import RemoteUnreachable
-from ddtree_deploy.deploy.inventory import load_inventory
-from ddtree_deploy.deploy.transport import LocalTransport, connect, wrap
+from ddtree_deploy.deploy.remote.agent_client import call_agent
+from ddtree_deploy.deploy.remote.transport import LocalTransport, connect, wrap
 
 
 def test_wrap_quotes_and_bounds_every_command():
@@ -78,7 +78,7 @@ def test_gateway_hop_is_strict_too(inv, bed, tmp_path):
 
 
 def test_local_transport_runs_with_env(tmp_path):
-    from ddtree_deploy.deploy.inventory import Host
+    from ddtree_deploy.deploy.config.inventory import Host
 
     h = Host.model_validate({"name": "local", "python": "/usr/bin/python3", "env": {"GREETING": "hi there"},
                              "restart": {"strategy": "command", "start": "true", "stop": "true", "status": "true"}})

@@ -11,7 +11,7 @@ out=${1:-$root/.gpu/overlay}
 rev=${2:-HEAD}
 pin=${PIN:-0.5.13.post1}
 src=$(mktemp -d); trap 'rm -rf "$src"' EXIT
-# ddtree_utils.py and the sibling modules a build may ship (deploy/series.py SHIPPED_MODULES)
+# ddtree_utils.py and the sibling modules a build may ship (deploy/build/series.py SHIPPED_MODULES)
 mods=$(git -C "$root" ls-tree --name-only "$rev" -- ddtree_utils.py ddtree_triton.py ddtree_serving.py)
 git -C "$root" archive "$rev" snapshot patches $mods | tar -x -C "$src"
 rm -rf "$out"; mkdir -p "$out"

@@ -50,7 +50,7 @@ def pytest_collection_modifyitems(items):
 
 
 def _assemble_build(dest: Path) -> Path:
-    from ddtree_deploy.deploy import build as b
+    from ddtree_deploy.deploy.build import build as b
 
     b.assemble(b.prepare(b.Inputs()), dest)
     return dest

@@ -255,8 +255,8 @@ def _pin_016_request_messages(tmp_path, matrix) -> dict:
     import sys
 
     from ddtree_deploy.checks.sglang_smoke import make_overlay
-    from ddtree_deploy.deploy import build as b
-    from ddtree_deploy.deploy import pins
+    from ddtree_deploy.deploy.build import build as b
+    from ddtree_deploy.deploy.build import pins
 
     site = pins.sglang_site("0.5.16")
     if site is None:

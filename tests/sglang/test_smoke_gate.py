@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from ddtree_deploy.checks import sglang_smoke
-from ddtree_deploy.deploy import buildinfo
+from ddtree_deploy.deploy.build import buildinfo
 
 REPO = Path(__file__).resolve().parents[2]
 

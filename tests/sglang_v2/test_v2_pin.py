@@ -1,5 +1,5 @@
 """SGLang 0.5.16 pin on the CPU: builds snapshot/sglang-0.5.16 + patches/0.5.16 + ddtree_utils.py,
-lays the build over a copy of the real sglang 0.5.16 site (deploy.pins.sglang_site: the venv's
+lays the build over a copy of the real sglang 0.5.16 site (deploy.build.pins.sglang_site: the venv's
 sglang-sites/0.5.16 or $DDTREE_SGLANG_SITES/0.5.16, installed by scripts/install_sglang_env.sh)
 and runs tests/sglang_v2/inner/ in a child Python with that overlay first on PYTHONPATH and
 TRITON_INTERPRET=1. Skips when the site is absent."""
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 from ddtree_deploy.checks.sglang_smoke import make_overlay
-from ddtree_deploy.deploy import build as b
-from ddtree_deploy.deploy import pins
+from ddtree_deploy.deploy.build import build as b
+from ddtree_deploy.deploy.build import pins
 
 ROOT = Path(__file__).resolve().parents[2]
 SITE = pins.sglang_site("0.5.16")

@@ -6,7 +6,7 @@ Remote layout under the host's `state_dir`:
   releases/<id>/release.json   id, time, action, build id, series hash, files, backup, previous, outcome
   pristine/<rel>               the first pristine copy of each file seen (for `rollback --to pristine`)
   current.json                 the state in effect: {"state": <release id> | "pristine", ...}
-  lock/owner.json              the deploy lock (deploy.lock)
+  lock/owner.json              the deploy lock (deploy.remote.lock)
 One transition = stage (backup) -> upload -> verify (hash, compile, import with the service python)
 -> atomic per-file swap -> restart -> health gate; a failure after the swap restores the backup,
 restarts and checks health again.
@@ -15,15 +15,16 @@ restarts and checks health again.
 from __future__ import annotations
 
 import secrets
+import shlex
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import health, launch, lock, pins, records, restart
-from .agent_client import call_agent
-from .buildinfo import BuildInfo
-from .errors import (
+from ..build.buildinfo import BuildInfo
+from ..config.inventory import Host, Inventory
+from ..config.launch import store_rel
+from ..errors import (
     EXIT_FAILED,
     EXIT_OK,
     EXIT_ROLLBACK_FAILED,
@@ -31,11 +32,12 @@ from .errors import (
     DDTreeDeployError,
     DeployFailed,
     RemoteRefused,
+    RemoteUnreachable,
     RollbackFailed,
 )
-from .facts import HostFacts, gather
-from .inventory import Host, Inventory
-from .launch import store_rel
+from . import envfile, health, lock, records, restart
+from .agent_client import call_agent
+from .facts import HostFacts, choose_build, read_facts
 from .plan import PRISTINE, make_plan
 from .transport import Transport, TransportLost, connect
 
@@ -51,6 +53,8 @@ class Events:
     def upload(self, host: str, nbytes: int, total: int) -> None: ...
 
     def waiting(self, host: str, elapsed: float, deadline: float) -> None: ...
+
+    def warn(self, host: str, message: str) -> None: ...
 
 
 @dataclass
@@ -108,6 +112,12 @@ class Releaser:
         # the health gate's speculative algorithm: the inventory's, or with [launch] that of the flags
         # the transition puts in place (set by push/rollback; _auto_rollback switches to the previous)
         self.expect = health.INVENTORY
+        self.build: BuildInfo | None = None  # the build a push chose (the host's pin, or --build)
+        self.staged: dict[str, dict] = {}  # release records (with their backup) staged by this run
+        self.cause: dict[str, tuple[str, str | None]] = {}  # why a transition is being undone (first fault, log tail)
+
+    def _warn(self, message: str) -> None:
+        self.ev.warn(self.h.name, f"{self.h.name}: {message}")
 
     def _agent(self, op: str, payload: dict, timeout_s: int | None = None) -> dict:
         return call_agent(self.t, op, dict(payload, state_dir=self.h.state_dir), timeout_s)
@@ -118,12 +128,20 @@ class Releaser:
     def _journal(self, rid: str, step: str, **info) -> None:
         self._agent("journal", {"release_id": rid, "step": step, "info": info})
 
-    def _finish(self, rid: str, step: str, updates: dict, sglang_dir: str, files, current: dict | None = None) -> None:
+    def _finish(self, rid: str, step: str, updates: dict, sglang_dir: str, files, current: dict | None = None,
+                drop_uploads: bool = False) -> None:
         """Terminal journal step, after release.json/current.json and the removal of temp files."""
         self._agent("record", {"release_id": rid, "updates": updates, "current": current, "journal": step,
-                               "cleanup": {"sglang_dir": sglang_dir, "files": sorted(files), "tags": [rid, rid + "-undo"]}})
+                               "cleanup": {"sglang_dir": sglang_dir, "files": sorted(files), "tags": [rid, rid + "-undo"]},
+                               "drop_uploads": drop_uploads})
         if self.open_rid == rid:
             self.open_rid = None
+
+    def _state_free(self) -> str:
+        """`; the state filesystem has N kB free` (best effort, for an upload that failed on the host)."""
+        r = self.t.run(f"df -Pk {shlex.quote(self.h.state_dir)} | tail -n 1", 30)
+        cols = r.stdout.split()
+        return f"; the state filesystem has {cols[3]} kB free" if r.ok and len(cols) > 3 and cols[3].isdigit() else ""
 
     def _rdir(self, rid: str) -> str:
         return f"{self.h.state_dir}/releases/{rid}"
@@ -147,6 +165,7 @@ class Releaser:
             if not staged.get("ok"):
                 self.open_rid = None
                 raise DeployFailed(f"{name}: {staged['error']} (nothing restarted)")
+            self.staged[rid] = dict(record, backup=staged["backup"])
             if uploads:
                 total = sum(p.stat().st_size for p in uploads.values())
                 self.ev.step(name, f"uploading {len(uploads)} files")
@@ -155,8 +174,9 @@ class Releaser:
                     try:
                         self.t.put(local, f"{self._rdir(rid)}/files/{store_rel(rel)}", lambda n: self.ev.upload(name, n, total))
                     except OSError as exc:  # the state filesystem filled up, ...
-                        self._finish(rid, "aborted", {"outcome": "aborted", "error": str(exc)}, sd, targets)
-                        raise DeployFailed(f"{name}: upload of {rel} failed ({exc}); nothing changed, nothing restarted") from None
+                        err = f"upload of {rel} failed ({exc}{self._state_free()})"
+                        self._finish(rid, "aborted", {"outcome": "aborted", "error": err}, sd, targets, drop_uploads=True)
+                        raise DeployFailed(f"{name}: {err}; nothing changed, nothing restarted") from None
                 self.ev.step(name, "verifying on the host (hash, compile, import with the service python)")
                 v = self._agent("verify", {"release_id": rid, "sglang_dir": sd, "import_check": self.h.import_check,
                                            "files": {r: targets[r]["sha256"] for r in uploads}, "timeout": 900}, 960)
@@ -192,15 +212,24 @@ class Releaser:
                                    f"(release {rid} aborted, nothing restarted)") from None
             return self._undo(facts, rid, record, None, why="interrupted by a signal")
         except TransportLost as exc:
+            why = exc.message.removeprefix(f"{name}: ")  # the messages below name the host once
             self.ev.step(name, "connection lost; reconnecting")
-            self.t.reconnect()  # RemoteUnreachable here: run_host reports the transition unfinished (exit 8)
+            try:
+                self.t.reconnect()  # RemoteUnreachable here: run_host reports the transition unfinished (exit 8)
+            except RemoteUnreachable as exc2:
+                again = exc2.message.removeprefix(name + ": ")
+                if rid not in self.cause:
+                    raise RemoteUnreachable(f"{name}: {why}; reconnecting failed: {again}") from None
+                first, detail = self.cause[rid]  # the fault that started the rollback, not only the last one
+                raise RemoteUnreachable(f"{name}: {first}; then, during the automatic rollback: {why}, and "
+                                        f"reconnecting failed: {again}", detail=detail) from None
             if healthy is not None:  # the health gate passed: finish it again (idempotent), never undo
                 return self._healthy(rid, record, healthy, sd, targets)
             if swapped:
-                return self._undo(facts, rid, record, None, why=exc.message)
-            self._finish(rid, "aborted", {"outcome": "aborted", "error": exc.message}, sd, targets)
-            raise DeployFailed(f"{name}: {exc.message} before the swap; the host is unchanged "
-                               f"(release {rid} marked aborted)") from None
+                return self._undo(facts, rid, record, None, why=why)
+            self._finish(rid, "aborted", {"outcome": "aborted", "error": why}, sd, targets)
+            raise RemoteUnreachable(f"{name}: {why} before the swap; reconnected: the host is unchanged "
+                                    f"(release {rid} marked aborted, nothing restarted)") from None
 
     def _healthy(self, rid: str, record: dict, report: health.HealthReport, sd: str, targets) -> Outcome:
         self._finish(rid, "healthy", {"outcome": "deployed" if record["action"] == "push" else "done",
@@ -258,9 +287,14 @@ class Releaser:
               why: str | None = None) -> Outcome:
         name = self.h.name
         reason = why or (report.reason if report else "unknown failure")
-        self.ev.step(name, f"FAILED ({reason}); rolling back automatically")
-        ok, rep2 = self._restore(rid, self._release(rid), reason, facts.sglang_dir)
         detail = report.log_tail if report and report.log_tail else None
+        if rid in self.cause:  # a second fault while undoing: the first cause stays first, with its log tail
+            first, first_detail = self.cause[rid]
+            reason, detail = f"{first}; then, during the automatic rollback: {reason}", first_detail or detail
+        else:
+            self.cause[rid] = (reason, detail)
+        self.ev.step(name, f"FAILED ({reason}); rolling back automatically")
+        ok, rep2 = self._restore(rid, self.staged.get(rid) or self._release(rid), reason, facts.sglang_dir)
         if not ok:
             raise RollbackFailed(f"{name}: {reason}; files were restored byte for byte but the service is not healthy "
                                  f"after the rollback either ({rep2.reason})", detail=rep2.log_tail or detail)
@@ -268,21 +302,20 @@ class Releaser:
                            "service healthy again)", detail=detail)
 
     def _release(self, rid: str) -> dict:
-        rec = next((r for r in self._agent("facts", {"sglang_dir": self.h.sglang_dir, "files": []})["releases"]
-                    if r.get("id") == rid), None)
+        rec = next((r for r in read_facts(self.t).releases if r.get("id") == rid), None)
         if rec is None:
             raise RollbackFailed(f"{self.h.name}: release {rid} has no record; restore by hand from {self._rdir(rid)}/backup")
         return rec
 
     # -- recovery of transitions left unfinished by an earlier run -----------------------------------
-    def recover(self, *, break_lock: bool = False) -> list[str]:
+    def recover(self, *, break_lock: bool = False, facts: HostFacts | None = None) -> list[str]:
         """Finish every unfinished transition (journal not ending in healthy/rolled-back/aborted):
         files touched -> roll back to the recorded previous state; else -> aborted. Takes over the
         lock of a dead holder of this machine; a live holder means it is still running (left
         alone); a holder on another machine is left alone unless `break_lock`. Returns notes."""
         name = self.h.name
-        raw = self._agent("facts", {"sglang_dir": self.h.sglang_dir, "files": []})
-        unf, holder = raw.get("unfinished") or [], raw.get("lock")
+        facts = facts or read_facts(self.t)
+        unf, holder = facts.unfinished, facts.lock
         if not unf and not holder:
             return []
         notes: list[str] = []
@@ -304,17 +337,19 @@ class Releaser:
                 lock.break_lock(self.t)
             notes.append(f"took over the stale lock of {lock.describe(holder)} ({st})")
         try:
-            with lock.held(self.t, None, "recover", take_over=take):
+            with lock.held(self.t, None, "recover", take_over=take, warn=self._warn):
                 if not unf:
                     return notes
-                recs = {r.get("id"): r for r in self._agent("facts", {"sglang_dir": self.h.sglang_dir, "files": []})["releases"]}
-                sd = raw["sglang_dir"]
-                for u in unf:
-                    notes.append(self._recover_one(u, recs.get(u["release"]) or {}, sd))
+                notes += self._recover_all(read_facts(self.t))  # again, under the lock
         except RemoteRefused as exc:  # someone else took the lock meanwhile
             notes.append(exc.message)
         self.recovered = notes
         return notes
+
+    def _recover_all(self, facts: HostFacts) -> list[str]:
+        """Finish every unfinished transition of `facts` (read under the lock this run holds)."""
+        recs = {r.get("id"): r for r in facts.releases}
+        return [self._recover_one(u, recs.get(u["release"]) or {}, facts.sglang_dir) for u in facts.unfinished]
 
     def _recover_one(self, u: dict, rec: dict, sd: str) -> str:
         rid = u["release"]
@@ -324,35 +359,43 @@ class Releaser:
         if not u["files_touched"]:
             self._finish(rid, "aborted", {"outcome": "aborted", "error": f"left unfinished at {where}; recovered"}, sd, files)
             return f"unfinished transition {rid} (stopped at: {where}) had not touched the files: marked aborted, temp files removed"
-        ok, rep = self._restore(rid, rec, f"left unfinished at {where}; recovered by a later command", sd)
+        why = f"left unfinished at {where}; recovered by a later command"
+        if u.get("cause"):  # it was rolling back after a failure: that failure stays the recorded cause
+            why = f"{u['cause']}; the automatic rollback was cut short at {where} and finished by a later command"
+        ok, rep = self._restore(rid, rec, why, sd)
         self.restarts += 0
         return (f"unfinished transition {rid} (stopped at: {where}): rolled back to "
                 f"{rec.get('previous') or PRISTINE}, files restored byte for byte, "
                 + ("service healthy" if ok else f"service NOT healthy ({rep.reason})"))
 
     # -- push ----------------------------------------------------------------------------------------
-    def push(self, build: BuildInfo, *, force: bool = False, break_lock: bool = False) -> Outcome:
-        """What `plan` shows, from the same Plan (plan.make_plan): its refusals, then its operations."""
+    def push(self, build, *, force: bool = False, break_lock: bool = False) -> Outcome:
+        """Lock, one facts read, one plan (plan.make_plan: what `plan` shows, its refusals, then its
+        operations), the transition. `build`: a BuildInfo, or a BuildChoice (the host's pin)."""
         name = self.h.name
-        self.ev.step(name, "reading host facts")
-        self.recover(break_lock=break_lock)
-        facts = gather(self.t, build)
-        p = make_plan(self.t, build, facts, force=force)
-        p.refuse("version", "launch")
-        if p.noop:
-            return Outcome(name, "push", True, EXIT_OK, f"already runs build {build.build_id}: nothing to do",
-                           release=(facts.current or {}).get("release"))
-        p.refuse("drift", "space")  # a held lock: lock.held below refuses (or --break-lock breaks it)
-        if break_lock and facts.lock:
-            holder = lock.break_lock(self.t)
-            self.ev.step(name, f"broke the lock held by {lock.describe(holder or {})}")
-        rid = new_release_id(build.build_id[:8])
-        with lock.held(self.t, rid, "push"):
-            p = make_plan(self.t, build, gather(self.t, build), force=force)  # again, under the lock
-            p.refuse("launch")
+        notes: list[str] = []
+        self.ev.step(name, "locking the host")
+        with lock.taken(self.t, None, "push", break_lock=break_lock, notes=notes, warn=self._warn):
+            self.recovered = notes
+            self.ev.step(name, "reading host facts")
+            facts = read_facts(self.t, build)
+            if facts.unfinished:  # an earlier run's transition: finish it (we hold the lock), then read again
+                self.recovered = notes + self._recover_all(facts)
+                facts = read_facts(self.t, build)
+            build = self.build = choose_build(build, facts, name)
+            p = make_plan(self.t, build, facts, force=force)
+            p.refuse("version", "launch")
             if p.noop:
-                return Outcome(name, "push", True, EXIT_OK, f"already runs build {build.build_id}: nothing to do")
-            facts, env = p.facts, p.env
+                if not restart.alive(self.t):  # the files are there, the service is not: bring it back
+                    self.expect = p.env.expect_after if p.env is not None else health.INVENTORY
+                    out = self.restart_service(facts, f"already runs build {build.build_id}, but the service was stopped")
+                    out.action, out.release = "push", (facts.current or {}).get("release")
+                    return out
+                return Outcome(name, "push", True, EXIT_OK, f"already runs build {build.build_id}: nothing to do",
+                               release=(facts.current or {}).get("release"))
+            p.refuse("drift", "space")
+            rid = new_release_id(build.build_id[:8])
+            env = p.env
             record, targets, uploads = p.release(rid, self._rdir(rid), _now())
             if env is not None:
                 self.expect = env.expect_after
@@ -366,6 +409,45 @@ class Releaser:
                 out.extra["launch"] = env.to_json()
             return out
 
+    # -- restart ---------------------------------------------------------------------------------------
+    def restart_service(self, facts: HostFacts, reason: str) -> Outcome:
+        """Restart the service and run the health gate, with the files as they are (the caller holds the
+        lock). Journaled as a transition of its own (action `restart`, no files): restart-requested ->
+        restarting -> restarted -> healthy | aborted. Not healthy after it: exit 1 with the log tail."""
+        name = self.h.name
+        rid = new_release_id("restart")
+        self.open_rid = rid
+        self._agent("record", {"release_id": rid, "journal": "restart-requested",
+                               "updates": {"id": rid, "time": _now(), "action": "restart", "reason": reason,
+                                           "files": {}, "outcome": "restarting",
+                                           "state": (facts.current or {}).get("state") or PRISTINE}})
+        ok, rep = self._restart_and_check(rid)
+        if not ok:
+            self._finish(rid, "aborted", {"outcome": "restart-failed", "error": rep.reason, "health": rep.to_json()},
+                         facts.sglang_dir, [])
+            raise DeployFailed(f"{name}: {reason}; restarted it, but it is not healthy ({rep.reason}); the files are "
+                               "unchanged (`ddtree-deploy rollback` puts the previous state back)", detail=rep.log_tail)
+        self._finish(rid, "healthy", {"outcome": "restarted", "health": rep.to_json()}, facts.sglang_dir, [])
+        return Outcome(name, "restart", True, EXIT_OK, f"{reason}: restarted it, healthy", release=rid, restarted=True,
+                       health=rep.to_json(), extra={"outcome": "restarted"})
+
+    def restart(self, *, break_lock: bool = False) -> Outcome:
+        """`ddtree-deploy restart HOST`: lock, facts (finishing an unfinished transition first), restart,
+        health gate. The health gate expects the algorithm of the flags in place ([launch]) or the
+        inventory's."""
+        notes: list[str] = []
+        with lock.taken(self.t, None, "restart", break_lock=break_lock, notes=notes, warn=self._warn):
+            self.recovered = notes
+            facts = read_facts(self.t)
+            if facts.unfinished:
+                self.recovered = notes + self._recover_all(facts)
+                facts = read_facts(self.t)
+            live = envfile.live(self.t, facts)
+            if live is not None:
+                self.expect = live["expect_algorithm"]
+            state = (facts.current or {}).get("state") or "unmanaged"
+            return self.restart_service(facts, f"restart requested (state {state})")
+
     def _prune(self, keep_id: str, previous: str | None) -> None:
         """Best effort: a prune that fails (connection lost) is retried by the next run."""
         protect = [p for p in (keep_id, previous) if p]
@@ -377,45 +459,51 @@ class Releaser:
     # -- rollback ------------------------------------------------------------------------------------
     def rollback(self, to: str | None, *, break_lock: bool = False) -> Outcome:
         name = self.h.name
-        self.recover(break_lock=break_lock)
-        raw = self._agent("facts", {"sglang_dir": self.h.sglang_dir, "files": []})
-        recs = {r["id"]: r for r in raw["releases"] if "id" in r}
-        known = sorted({rel for r in recs.values() for rel in list(r.get("files") or {}) + list(r.get("backup") or {})})
-        cur = raw["current"] or {}
-        state = cur.get("state")
-        pristine_sha: dict[str, str | None] = {}
-        for r in sorted(recs.values(), key=lambda r: r["id"]):
-            pristine_sha.update(r.get("pristine") or {})
-        if not known:
-            raise RemoteRefused(f"{name}: no releases recorded in {self.h.state_dir}; nothing to roll back")
-        if to is None:
-            if state in (None, PRISTINE) or state not in recs:
-                raise RemoteRefused(f"{name}: the host is in state {state or 'unknown'}; nothing to roll back "
-                                    "(give --to <release> to restore a named release)")
-            base = recs[state]
-            new_state = base.get("previous") or PRISTINE
-            targets = {rel: {"src": f"{self._rdir(state)}/backup/{store_rel(rel)}" if sha else None, "sha256": sha}
-                       for rel, sha in (base.get("backup") or {}).items()}
-        elif to == PRISTINE:
-            new_state = PRISTINE
-            targets = self._pristine_targets(known, pristine_sha)
-        else:
-            if to not in recs or recs[to].get("action") != "push" or recs[to].get("outcome") not in ("deployed", "rolled-back"):
-                pushes = [i for i, r in recs.items() if r.get("action") == "push" and r.get("outcome") == "deployed"]
-                raise RemoteRefused(f"{name}: no deployable release {to!r} on the host (known: {', '.join(sorted(pushes)) or 'none'})")
-            new_state = to
-            targets = self._pristine_targets([k for k in known if k not in recs[to]["files"]], pristine_sha)
-            targets.update({rel: {"src": f"{self._rdir(to)}/files/{store_rel(rel)}", "sha256": sha}
-                            for rel, sha in recs[to]["files"].items()})
-        env = launch.for_rollback(self.t, recs, targets)  # [launch]: the flags it puts back (health gate)
-        f2 = self._agent("facts", {"sglang_dir": self.h.sglang_dir, "files": sorted(targets)})
-        if all((f2["files"][r] or {}).get("sha256") == t["sha256"] for r, t in targets.items()) and state == new_state:
-            return Outcome(name, "rollback", True, EXIT_OK, f"already in state {new_state}: nothing to do")
-        facts = HostFacts(f2["python"], f2["sglang_dir"], f2["version"], f2["free_mb"], f2["current"], f2["lock"], [], {})
-        if break_lock and f2["lock"]:
-            lock.break_lock(self.t)
-        rid = new_release_id("rollback")
-        with lock.held(self.t, rid, "rollback"):
+        notes: list[str] = []
+        with lock.taken(self.t, None, "rollback", break_lock=break_lock, notes=notes, warn=self._warn):
+            self.recovered = notes
+            facts = read_facts(self.t)
+            if facts.unfinished:
+                self.recovered = notes + self._recover_all(facts)
+                facts = read_facts(self.t)
+                if to is None and self.rolled_back:  # the recovery was the rollback asked for
+                    cur = facts.current or {}
+                    return Outcome(name, "rollback", True, EXIT_OK,
+                                   f"rolled back the unfinished transition to {cur.get('state') or PRISTINE}",
+                                   release=cur.get("release"), changed=True, restarted=self.restarts > 0)
+            recs = {r["id"]: r for r in facts.releases if "id" in r}
+            known = sorted({rel for r in recs.values() for rel in list(r.get("files") or {}) + list(r.get("backup") or {})})
+            cur = facts.current or {}
+            state = cur.get("state")
+            pristine_sha: dict[str, str | None] = {}
+            for r in sorted(recs.values(), key=lambda r: r["id"]):
+                pristine_sha.update(r.get("pristine") or {})
+            if not known:
+                raise RemoteRefused(f"{name}: no releases recorded in {self.h.state_dir}; nothing to roll back")
+            if to is None:
+                if state in (None, PRISTINE) or state not in recs:
+                    raise RemoteRefused(f"{name}: the host is in state {state or 'unknown'}; nothing to roll back "
+                                        "(give --to <release> to restore a named release)")
+                base = recs[state]
+                new_state = base.get("previous") or PRISTINE
+                targets = {rel: {"src": f"{self._rdir(state)}/backup/{store_rel(rel)}" if sha else None, "sha256": sha}
+                           for rel, sha in (base.get("backup") or {}).items()}
+            elif to == PRISTINE:
+                new_state = PRISTINE
+                targets = self._pristine_targets(known, pristine_sha)
+            else:
+                if to not in recs or recs[to].get("action") != "push" or recs[to].get("outcome") not in ("deployed", "rolled-back"):
+                    pushes = [i for i, r in recs.items() if r.get("action") == "push" and r.get("outcome") == "deployed"]
+                    raise RemoteRefused(f"{name}: no deployable release {to!r} on the host (known: {', '.join(sorted(pushes)) or 'none'})")
+                new_state = to
+                targets = self._pristine_targets([k for k in known if k not in recs[to]["files"]], pristine_sha)
+                targets.update({rel: {"src": f"{self._rdir(to)}/files/{store_rel(rel)}", "sha256": sha}
+                                for rel, sha in recs[to]["files"].items()})
+            env = envfile.for_rollback(self.t, recs, targets, facts)  # [launch]: the flags it puts back (health gate)
+            live = self._agent("hashes", {"sglang_dir": facts.sglang_dir, "files": sorted(targets)})["files"]
+            if all(live.get(r) == t["sha256"] for r, t in targets.items()) and state == new_state:
+                return Outcome(name, "rollback", True, EXIT_OK, f"already in state {new_state}: nothing to do")
+            rid = new_release_id("rollback")
             record = {"id": rid, "time": _now(), "action": "rollback", "to": new_state,
                       "files": {r: t["sha256"] for r, t in targets.items()}, "previous": state if state != PRISTINE else None,
                       "pristine": {r: pristine_sha.get(r) for r in targets}}
@@ -455,9 +543,11 @@ def run_host(host: Host, inventory: Inventory, action: str, events: Events | Non
         t = connect(host, inventory)
         r = Releaser(t, events)
         if action == "push":
-            build = pins.build_for_host(t, build)  # the build of the host's pin (exit 6 when its SGLang has none)
             out = r.push(build, force=kw.get("force", False), break_lock=kw.get("break_lock", False))
+            build = r.build
             out.extra.update(build_id=build.build_id, sglang_version=build.sglang_version)
+        elif action == "restart":
+            out = r.restart(break_lock=kw.get("break_lock", False))
         else:
             out = r.rollback(kw.get("to"), break_lock=kw.get("break_lock", False))
     except DDTreeDeployError as exc:
@@ -483,8 +573,12 @@ def run_host(host: Host, inventory: Inventory, action: str, events: Events | Non
             out.message = "recovered: " + "; ".join(r.recovered) + " | " + out.message
     if STOP.is_set():
         out.extra["interrupted"] = True
-    build = build if isinstance(build, BuildInfo) else None
+    build = r.build if r is not None and r.build is not None else (build if isinstance(build, BuildInfo) else None)
     outcome = ("done" if out.changed else "noop") if out.ok else OUTCOME_BY_CODE.get(out.code, "failed")
+    if out.ok and out.extra.get("outcome"):  # e.g. `restarted`: nothing changed, but something was done
+        outcome = out.extra["outcome"]
+    if outcome == "failed-rolled-back" and not out.extra.get("rolled_back"):
+        outcome = "failed"  # stopped before the swap (a check, an upload, a signal): nothing to roll back
     records.append(host.name, {"time": _now(), "host": host.name, "action": action, "ok": out.ok, "code": out.code,
                                "outcome": outcome, "rolled_back": out.extra.get("rolled_back", False),
                                "restarts": out.extra.get("restarts", 0), "interrupted": out.extra.get("interrupted", False),
@@ -496,10 +590,12 @@ def run_host(host: Host, inventory: Inventory, action: str, events: Events | Non
     return out
 
 
-def recover_host(t: Transport, events: Events | None = None, *, break_lock: bool = False) -> list[str]:
-    """For status/plan: finish unfinished transitions of this host; notes, also recorded locally."""
+def recover_host(t: Transport, events: Events | None = None, *, break_lock: bool = False,
+                 facts: HostFacts | None = None) -> list[str]:
+    """For status/plan: finish unfinished transitions of this host (`facts`: already read); notes,
+    also recorded locally."""
     r = Releaser(t, events)
-    notes = r.recover(break_lock=break_lock)
+    notes = r.recover(break_lock=break_lock, facts=facts)
     if r.restarts or r.rolled_back or any("aborted" in n or "took over" in n for n in notes):
         records.append(t.host.name, {"time": _now(), "host": t.host.name, "action": "recover", "ok": True, "code": 0,
                                      "outcome": "recovered", "message": "; ".join(notes), "changed": r.rolled_back,

@@ -10,12 +10,13 @@ import difflib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import launch
+from ..build.buildinfo import BuildInfo
+from ..config import launch
+from ..config.launch import store_rel
+from ..errors import RemoteRefused
+from . import envfile
 from .agent_client import call_agent
-from .buildinfo import BuildInfo
-from .errors import RemoteRefused
 from .facts import CURRENT, HostFacts, version_mismatch
-from .launch import store_rel
 from .restart import commands
 from .transport import Transport
 
@@ -100,7 +101,7 @@ def make_plan(t: Transport, build: BuildInfo, facts: HostFacts, *, force: bool =
     if bad_version:
         p.refusals.append(Refusal("version", bad_version))
     try:
-        p.env = launch.for_push(t, build, facts.current, facts.releases)
+        p.env = envfile.for_push(t, build, facts)
     except RemoteRefused as exc:  # e.g. the variable spans several lines: push would refuse
         p.refusals.append(Refusal("launch", exc.message))
     drifted = [f"{f.relpath} ({f.status})" for f in facts.drifted] + ([f"{p.env.path} (drifted)"] if p.env and p.env.drifted else [])
@@ -146,9 +147,15 @@ def space_shortfall(facts: HostFacts, build: BuildInfo, margin_mb: int) -> str |
     new = sum(f.size for f in build.files.values())
     old = sum(f.remote_size for f in facts.files)
     need = {"sglang": (new + old) // (1 << 20) + 1 + margin_mb, "state": (new + old) // (1 << 20) + 1 + margin_mb}
-    low = [f"{k} filesystem has {facts.free_mb.get(k)} MB free, needs {v} MB" for k, v in need.items()
+    low = [f"{k} filesystem has {_size(facts, k)} free, needs {v} MB" for k, v in need.items()
            if facts.free_mb.get(k, 0) < v]
     return "; ".join(low) or None
+
+
+def _size(facts: HostFacts, k: str) -> str:
+    """Free space as read: MB, or kB below 10 MB (500 kB free is not `0 MB`)."""
+    mb, b = facts.free_mb.get(k), (facts.free_bytes or {}).get(k)
+    return f"{b // 1024} kB" if b is not None and b < 10 << 20 else f"{mb} MB"
 
 
 def add_diffs(t: Transport, build: BuildInfo, p: Plan) -> None:

@@ -1,5 +1,15 @@
-"""Host-side helper, stdlib only. Sent as `python -c <this source> <op> <json>` with the service's
-own python (nothing is installed on the host); prints one result line `@@ddtree-agent@@ <json>`.
+"""Host-side helper, stdlib only, run with the service's own python (nothing is installed on the
+host); prints one result line `@@ddtree-agent@@ <json>`.
+
+How it gets there (deploy.remote.agent_client): the first call of a connection sends this source as
+`python -c <source> <op> <json> --save <path>`; the agent answers, then stores its source at <path>
+(`<state_dir>/ddtree-agent-<sha256[:16]>.py`, temp file + rename); later calls of that connection
+run `python <path> <op> <json>`, a few hundred bytes each. A host that cannot store it (full disk)
+gets the source with every call, as before.
+
+The protocol is one table, OPS below: each operation's name, handler and the payload keys it
+requires and accepts. The client imports the same table (deploy.remote.agent_client) and refuses a
+call that does not fit it before anything is sent; the agent dispatches through it.
 
 Ops: facts, hashes, lock, unlock, stage, verify, apply, journal, record, prune, read, http. Each is
 small and all-or-nothing where it changes files: `apply` checks every source, then writes every new
@@ -117,7 +127,8 @@ def _unfinished(state):
         j = _read_journal(state, rid)
         if j and j[-1].get("step") not in TERMINAL:
             rec = _read_json(os.path.join(root, rid, "release.json")) or {}
-            out.append({"release": rid, "action": rec.get("action"), "steps": [e.get("step") for e in j],
+            cause = next((e.get("reason") for e in j if e.get("step") == "rolling-back"), None)
+            out.append({"release": rid, "action": rec.get("action"), "steps": [e.get("step") for e in j], "cause": cause,
                         "last": j[-1], "files_touched": any(e.get("step") in ("swapping", "restoring") for e in j),
                         "has_backup": "backup" in rec})
     return out
@@ -140,6 +151,10 @@ def _remove_tmps(sd, rels, tags):
     return removed
 
 
+class HostConfigError(Exception):
+    """The inventory does not fit the host (the client reports a configuration error, exit 2)."""
+
+
 def _sglang_dir(given):
     if given:
         return given
@@ -147,7 +162,8 @@ def _sglang_dir(given):
 
     spec = importlib.util.find_spec("sglang")
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("sglang is not importable with %s" % sys.executable)
+        raise HostConfigError("sglang is not importable with %s (check `python` or `sglang_dir` in the inventory)"
+                              % sys.executable)
     return list(spec.submodule_search_locations)[0]
 
 
@@ -165,14 +181,18 @@ def _version(sglang_dir):
     return importlib.metadata.version("sglang")
 
 
-def _free_mb(path):
+def _free_bytes(path):
     while path and not os.path.exists(path):
         path = os.path.dirname(path)
-    return shutil.disk_usage(path or "/").free // (1 << 20)
+    return shutil.disk_usage(path or "/").free
+
+
+def _free_mb(path):
+    return _free_bytes(path) // (1 << 20)
 
 
 # Targets are package paths relative to sglang_dir, or absolute paths (the launch env file,
-# deploy/launch.py). An absolute target lives at its own path; its copies under a release's files/
+# deploy/config/launch.py). An absolute target lives at its own path; its copies under a release's files/
 # and backup/ and under pristine/ are stored as @abs/<path> (os.path.join(root, "/etc/x") would
 # be "/etc/x" itself).
 ABS = "@abs"
@@ -207,34 +227,54 @@ def _releases(state_dir):
     return out
 
 
+def _read_b64(path):
+    if not os.path.isfile(path):
+        return None
+    with open(path, "rb") as f:
+        return base64.b64encode(f.read()).decode()
+
+
 def op_facts(p):
+    """Everything a command needs to know about the host, in one call: python, sglang location and
+    version, hashes of the target files (`files`, or `files_by_version`[version]: the build of the
+    host's pin, chosen here since the version is read here), disk, current.json, lock, releases,
+    unfinished transitions, the live hashes of the files current.json names (`current_files`), and
+    the bytes of the files named in `read` (the [launch] env file)."""
     sd = _sglang_dir(p.get("sglang_dir"))
     state = p["state_dir"]
+    version = _version(sd)
+    rels = p["files"] if p.get("files") is not None else (p.get("files_by_version") or {}).get(version, [])
     files = {}
-    for rel in p["files"]:
+    for rel in rels:
         path = _dest(sd, rel)
         files[rel] = {"sha256": _sha(path), "size": os.path.getsize(path)} if os.path.isfile(path) else None
     pristine_root = os.path.join(state, "pristine")
-    pristine = {rel: _sha_or_none(_store(pristine_root, rel)) for rel in p["files"]}
-    return {
+    pristine = {rel: _sha_or_none(_store(pristine_root, rel)) for rel in rels}
+    current = _read_json(os.path.join(state, "current.json"))
+    out = {
         "python": sys.executable,
         "hostname": __import__("socket").gethostname(),
         "unfinished": _unfinished(state),
         "sglang_dir": sd,
-        "version": _version(sd),
+        "version": version,
         "files": files,
         "free_mb": {"sglang": _free_mb(sd), "state": _free_mb(state)},
-        "current": _read_json(os.path.join(state, "current.json")),
+        "free_bytes": {"sglang": _free_bytes(sd), "state": _free_bytes(state)},
+        "current": current,
         "lock": _read_json(os.path.join(state, "lock", "owner.json")) or ({"owner": "?"} if os.path.isdir(os.path.join(state, "lock")) else None),
         "releases": _releases(state),
         "pristine_store": pristine,
+        "read": {path: _read_b64(path) for path in p.get("read") or []},
     }
+    if p.get("current_files"):
+        out["current_files"] = {rel: _sha_or_none(_dest(sd, rel)) for rel in sorted((current or {}).get("files") or {})}
+    return out
 
 
 def op_hashes(p):
     """sha256 of each file: with `sglang_dir`, the live targets (an absolute one at its own path);
     with `root`, the copies in a store (pristine/, a release's files/ or backup/: @abs/<path>)."""
-    if "sglang_dir" in p:
+    if p.get("sglang_dir"):
         return {"files": {rel: _sha_or_none(_dest(p["sglang_dir"], rel)) for rel in p["files"]}}
     return {"files": {rel: _sha_or_none(_store(p["root"], rel)) for rel in p["files"]}}
 
@@ -250,7 +290,7 @@ def op_lock(p):
     except FileExistsError:
         holder = _read_json(os.path.join(lock, "owner.json")) or {"owner": "?"}
         if not p.get("take_over") or holder.get("token") != p["take_over"]:
-            return {"acquired": False, "holder": holder}
+            return {"acquired": False, "holder": holder, "unfinished": _unfinished(state)}
         # the holder is known dead (checked by the caller against this exact token): take its lock over
     try:
         _write_json(os.path.join(lock, "owner.json"), dict(p["owner"], remote_time=time.time()))
@@ -466,6 +506,8 @@ def op_record(p):
     """Update release.json (and current.json); with `cleanup`, remove the release's temp files in the
     package; with `journal`, append that step last (a terminal step once everything above is done)."""
     path = os.path.join(p["state_dir"], "releases", p["release_id"], "release.json")
+    if p.get("drop_uploads"):  # an aborted upload (a full disk): its files go first, to make room for the record
+        shutil.rmtree(os.path.join(os.path.dirname(path), "files"), ignore_errors=True)
     rec = _read_json(path) or {"id": p["release_id"]}
     rec.update(p["updates"])
     _write_json(path, rec)
@@ -481,9 +523,10 @@ def op_record(p):
 
 
 def op_prune(p):
-    """Keep the newest `keep` releases that changed the host (outcome deployed/done) besides the
-    protected ones; failed attempts (aborted, rolled-back) take no slot: the newest `keep` of them
-    are kept apart for inspection. Unfinished transitions are never removed."""
+    """Keep the newest `keep` pushes that changed the host (outcome deployed) besides the protected
+    ones, so that `rollback --to` finds them; everything else (failed attempts, rollbacks, restarts)
+    takes no slot: the newest `keep` of those are kept apart for inspection. Unfinished transitions
+    are never removed."""
     state = p["state_dir"]
     root = os.path.join(state, "releases")
     ids = sorted(os.listdir(root)) if os.path.isdir(root) else []
@@ -491,7 +534,7 @@ def op_prune(p):
     good, failed, protected_good = [], [], 0
     for rid in ids:
         rec = _read_json(os.path.join(root, rid, "release.json")) or {}
-        ok = rec.get("outcome") in ("deployed", "done")
+        ok = rec.get("outcome") == "deployed"  # a push that changed the host; rollbacks and restarts take no slot
         if rid in protect:
             protected_good += ok
             continue
@@ -501,13 +544,6 @@ def op_prune(p):
     for rid in removed:
         shutil.rmtree(os.path.join(root, rid))
     return {"removed": sorted(removed)}
-
-
-def op_discard(p):
-    rdir = os.path.join(p["state_dir"], "releases", p["release_id"])
-    if os.path.isdir(rdir):
-        shutil.rmtree(rdir)
-    return {"ok": True}
 
 
 def op_read(p):
@@ -533,13 +569,85 @@ def op_http(p):
         return {"status": None, "error": "%s: %s" % (type(exc).__name__, exc)}
 
 
+# The protocol: op name -> (handler, payload keys it requires, payload keys it also accepts).
+# deploy.remote.agent_client checks every call against this table before sending it.
+OPS = {
+    "facts": (op_facts, ("state_dir",), ("sglang_dir", "files", "files_by_version", "read", "current_files")),
+    "hashes": (op_hashes, ("files",), ("sglang_dir", "root", "state_dir")),
+    "lock": (op_lock, ("state_dir", "owner"), ("take_over",)),
+    "unlock": (op_unlock, ("state_dir",), ("token", "force")),
+    "stage": (op_stage, ("state_dir", "release_id", "sglang_dir", "files", "pristine", "record"), ()),
+    "verify": (op_verify, ("state_dir", "release_id", "sglang_dir", "files"), ("import_check", "timeout")),
+    "apply": (op_apply, ("state_dir", "release_id", "sglang_dir", "targets", "tag"), ("phase", "forward_tag")),
+    "journal": (op_journal, ("state_dir", "release_id", "step"), ("info",)),
+    "record": (op_record, ("state_dir", "release_id", "updates"), ("current", "cleanup", "journal", "info", "drop_uploads")),
+    "prune": (op_prune, ("state_dir", "keep"), ("protect",)),
+    "read": (op_read, ("path",), ("state_dir",)),
+    "http": (op_http, ("url",), ("json", "timeout", "state_dir")),
+}
+
+
+def check_call(op, payload):
+    """Why `op(payload)` does not fit OPS, or None (the client runs the same check before sending)."""
+    if op not in OPS:
+        return "unknown operation %r (known: %s)" % (op, ", ".join(sorted(OPS)))
+    _, required, optional = OPS[op]
+    missing = [k for k in required if k not in payload]
+    unknown = sorted(set(payload) - set(required) - set(optional))
+    if missing or unknown:
+        return "%s: missing %s, unknown %s" % (op, missing or "nothing", unknown or "nothing")
+    return None
+
+
+def _own_source():
+    """This file's text when run as `python -c <source>` (to store it on the host), else None."""
+    argv = getattr(sys, "orig_argv", None)
+    if not argv:
+        try:
+            with open("/proc/self/cmdline", "rb") as f:
+                argv = [a.decode("utf-8", "surrogateescape") for a in f.read().split(b"\0")[:-1]]
+        except OSError:
+            return None
+    return argv[argv.index("-c") + 1] if "-c" in argv[:-1] else None
+
+
+def _save(path):
+    """Store this source at `path` (content-addressed name, temp file + rename); True when it is there."""
+    src = _own_source()
+    if src is None or hashlib.sha256(src.encode()).hexdigest()[:16] not in os.path.basename(path):
+        return False
+    if os.path.isfile(path) and _sha(path) == hashlib.sha256(src.encode()).hexdigest():
+        return True
+    tmp = "%s.tmp-%d" % (path, os.getpid())
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(tmp, "w") as f:
+            f.write(src)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        return True
+    except OSError:  # a full state disk: the client keeps sending the source with every call
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+        return False
+
+
 def main():
     op, payload = sys.argv[1], json.loads(sys.argv[2])
+    save = sys.argv[4] if len(sys.argv) > 4 and sys.argv[3] == "--save" else None
+    why = check_call(op, payload)
     try:
-        out = globals()["op_" + op](payload)
+        if why is not None:
+            raise TypeError(why)
+        out = OPS[op][0](payload)
         code = 0
+    except HostConfigError as exc:
+        out, code = {"agent_error": str(exc), "config_error": True}, 3
     except Exception as exc:
         out, code = {"agent_error": "%s: %s" % (type(exc).__name__, exc)}, 3
+    if save is not None:
+        out["_saved"] = _save(save)
     sys.stdout.write("\n" + MARK + " " + json.dumps(out) + "\n")
     sys.stdout.flush()
     sys.exit(code)

@@ -19,12 +19,18 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+)
 from rich.table import Table
 
-from . import bench as B
-from .cli import app
-from .errors import EXIT_FAILED, DDTreeDeployError, RemoteUnreachable, UsageError
+from ..errors import EXIT_FAILED, DDTreeDeployError, RemoteUnreachable, UsageError
+from ..remote import bench as B
 from .ui import console, emit_json, ok, warn
 
 
@@ -52,8 +58,8 @@ def _reach(target: str, inventory: Path | None):
     if target.startswith(("http://", "https://")):
         yield target.rstrip("/")
         return
-    from .inventory import load_inventory
-    from .transport import connect
+    from ..config.inventory import load_inventory
+    from ..remote.transport import connect
 
     inv = load_inventory(inventory)
     host = inv.get(target)
@@ -106,7 +112,6 @@ def _table(doc: dict) -> None:
                   style="dim")
 
 
-@app.command()
 def bench(
     targets: Annotated[list[str] | None, typer.Argument(help="Server URLs (http://host:port) or inventory host names.")] = None,
     prompts: Annotated[Path | None, typer.Option("--prompts", help='jsonl: one {"text": ...} or {"input_ids": [...]} a line.')] = None,

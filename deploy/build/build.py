@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..errors import ConfigError
 from . import snapshot as snap
 from .buildinfo import (
     MANIFEST_NAME,
@@ -26,7 +27,6 @@ from .buildinfo import (
     compute_build_id,
     sha256_file,
 )
-from .errors import ConfigError
 from .series import (
     SHIPPED_FILES,
     SHIPPED_MODULES,

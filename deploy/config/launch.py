@@ -24,24 +24,19 @@ gate of a transition expects the algorithm that the env file it puts in place na
 (`--speculative-algorithm X`, or NONE when there is none: SGLang then reports null), so a rollback
 expects the previous flags' algorithm, and the automatic rollback after a failed push expects the
 algorithm of the flags it restores. Each release record has a `launch` entry with both sides.
+
+This module holds the pure rules (config layer: no host, no I/O); deploy.remote.envfile reads and
+changes the host's file through the agent.
 """
 
 from __future__ import annotations
 
-import base64
 import difflib
 import hashlib
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from ddtree_serving import DDTREE_MAX_BUDGET  # the server-args rule both pins apply
-
-from .errors import RemoteRefused
-
-if TYPE_CHECKING:  # deploy.inventory imports this module for its validators: no cycle at run time
-    from .buildinfo import BuildInfo
-    from .transport import Transport
 
 DEFAULT_VARIABLE = "SGLANG_SPEC_ARGS"
 DEFAULT_DDTREE_ARGS = "--speculative-algorithm DDTREE --speculative-ddtree-budget 63"
@@ -213,23 +208,8 @@ def render_env(current: bytes | None, variable: str, args: str) -> bytes:
     return ("\n".join(out) + "\n").encode()
 
 
-def build_has_ddtree(build: BuildInfo) -> bool:
-    """The build adds the DDTREE algorithm (its spec_info.py defines the enum member)."""
-    if SPEC_INFO not in build.files:
-        return False
-    text = build.path_of(SPEC_INFO).read_text(encoding="utf-8", errors="replace")
-    return re.search(r"^\s+DDTREE\s*=", text, re.MULTILINE) is not None
-
-
-def _sha(data: bytes | None) -> str | None:
+def sha256_of(data: bytes | None) -> str | None:
     return hashlib.sha256(data).hexdigest() if data is not None else None
-
-
-def read_host_file(t: Transport, path: str) -> bytes | None:
-    from .agent_client import call_agent
-
-    r = call_agent(t, "read", {"path": path}, 60)
-    return base64.b64decode(r["b64"]) if r["exists"] else None
 
 
 # -- one transition's change of the env file ----------------------------------------------------------
@@ -247,11 +227,11 @@ class EnvChange:
 
     @property
     def before_sha256(self) -> str | None:
-        return _sha(self.before)
+        return sha256_of(self.before)
 
     @property
     def after_sha256(self) -> str | None:
-        return _sha(self.after)
+        return sha256_of(self.after)
 
     @property
     def unchanged(self) -> bool:
@@ -327,61 +307,3 @@ class EnvChange:
 
 def unchanged(change: EnvChange | None) -> bool:
     return change is None or change.unchanged
-
-
-def for_push(t: Transport, build: BuildInfo, current: dict | None, releases: list[dict]) -> EnvChange | None:
-    """What a push of `build` does to the host's env file; None without [hosts.<name>.launch]."""
-    h = t.host
-    lc = h.launch
-    if lc is None:
-        return None
-    before = read_host_file(t, lc.env_file)
-    after = before
-    if build_has_ddtree(build):
-        try:
-            after = render_env(before, lc.variable, lc.ddtree_args)
-        except ValueError as exc:
-            raise RemoteRefused(f"{h.name}: {lc.env_file}: {exc} (nothing changed)") from None
-    elif algorithm_of(parse_env(before).get(lc.variable)) == "DDTREE":
-        raise RemoteRefused(f"{h.name}: build {build.build_id} has no DDTREE but {lc.env_file} turns DDTREE on; "
-                            f"refusing (roll back first: `ddtree-deploy rollback {h.name} --to pristine`)")
-    files = (current or {}).get("files") or {}
-    drifted = lc.env_file in files and files[lc.env_file] != _sha(before)
-    pristine = _sha(before)  # first seen now: what the file was before the tool managed it
-    for rec in sorted(releases, key=lambda r: r.get("id", "")):
-        if lc.env_file in (rec.get("pristine") or {}):
-            pristine = rec["pristine"][lc.env_file]
-            break
-    return EnvChange(lc.env_file, lc.variable, before, after, drifted=drifted, pristine_sha256=pristine)
-
-
-def for_rollback(t: Transport, records: dict[str, dict], targets: dict[str, dict]) -> EnvChange | None:
-    """The env file a rollback puts back (an absolute target), read from its source on the host; when
-    the rollback does not touch it but the inventory declares one, the live file (unchanged)."""
-    h = t.host
-    paths = sorted(r for r in targets if r.startswith("/"))
-    if not paths:
-        if h.launch is None:
-            return None
-        live = read_host_file(t, h.launch.env_file)
-        return EnvChange(h.launch.env_file, h.launch.variable, live, live)
-    path = h.launch.env_file if h.launch is not None and h.launch.env_file in paths else paths[0]
-    variable = h.launch.variable if h.launch is not None and h.launch.env_file == path else DEFAULT_VARIABLE
-    for rec in sorted(records.values(), key=lambda r: r.get("id", ""), reverse=True):
-        if (rec.get("launch") or {}).get("env_file") == path:
-            variable = rec["launch"].get("variable") or variable
-            break
-    src = targets[path]["src"]
-    after = read_host_file(t, src) if src else None
-    return EnvChange(path, variable, read_host_file(t, path), after)
-
-
-def live(t: Transport) -> dict | None:
-    """`status`: the env file's flags now and the algorithm the service runs with at its next start."""
-    lc = t.host.launch
-    if lc is None:
-        return None
-    data = read_host_file(t, lc.env_file)
-    args = parse_env(data).get(lc.variable)
-    return {"env_file": lc.env_file, "variable": lc.variable, "exists": data is not None, "args": args,
-            "expect_algorithm": algorithm_of(args), "sha256": _sha(data)}

@@ -22,8 +22,8 @@ from pydantic import (
     model_validator,
 )
 
+from ..errors import ConfigError
 from . import launch as _launch
-from .errors import ConfigError
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -116,7 +116,7 @@ class Health(_Strict):
 
 
 class Launch(_Strict):
-    """The service's speculative flags as part of the release (deploy/launch.py): the unit reads
+    """The service's speculative flags as part of the release (deploy/config/launch.py): the unit reads
     `variable` from `env_file` (systemd EnvironmentFile=, or a supervisord wrapper that sources it)."""
 
     env_file: str

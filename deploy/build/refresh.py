@@ -18,9 +18,9 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..errors import ConfigError, DDTreeDeployError, UsageError
 from .build import Inputs, Prepared, assemble, prepare, tree_files
 from .buildinfo import MANIFEST_NAME, sha256_file
-from .errors import ConfigError, DDTreeDeployError, UsageError
 from .series import (
     SHIPPED_FILES,
     apply_series,

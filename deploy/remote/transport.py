@@ -8,6 +8,7 @@ A dropped connection raises TransportLost; nothing reconnects silently (callers 
 
 from __future__ import annotations
 
+import logging
 import os
 import shlex
 import shutil
@@ -16,10 +17,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import RemoteUnreachable
-from .inventory import Host, Inventory
+from ..config.inventory import Host, Inventory
+from ..errors import RemoteUnreachable
 
 ProgressFn = Callable[[int], None]  # called with the number of bytes sent since the last call
+
+# paramiko logs a failed (re)connection with a traceback through the `logging` module; the tool
+# reports it as one line (RemoteUnreachable), so nothing of it reaches stderr by itself
+logging.getLogger("paramiko").addHandler(logging.NullHandler())
 
 class TransportLost(RemoteUnreachable):
     """The connection dropped in the middle of an operation."""
@@ -206,6 +211,13 @@ class SSHTransport(Transport):
             if isinstance(exc, paramiko.SSHException):
                 raise TransportLost(f"{self.host.name}: connection lost ({exc})") from None
             raise
+        if r.exited is None or r.exited < 0:
+            # no exit status: the command was killed by a signal (the connection is still up), or the
+            # connection died while it ran (Fabric then reports -1): the latter is a lost connection
+            if not self.conn.is_connected or not self.conn.transport.is_active():
+                self._dropped = True
+                raise TransportLost(f"{self.host.name}: connection lost while the command ran on the host")
+            return Result(-1 if r.exited is None else r.exited, r.stdout, r.stderr)
         return Result(r.exited, r.stdout, r.stderr)
 
     def put(self, local: Path, remote: str, progress: ProgressFn | None = None) -> None:
@@ -220,6 +232,10 @@ class SSHTransport(Transport):
         try:
             self.conn.sftp().put(str(local), remote, callback=cb)
         except (TimeoutError, OSError, EOFError) as exc:
+            if isinstance(exc, OSError) and not isinstance(exc, TimeoutError) and self.conn.is_connected \
+                    and self.conn.transport.is_active():
+                # the connection is fine: the host refused the write (SFTP "Failure": a full disk, ...)
+                raise OSError(f"the host could not write {remote} ({exc})") from None
             raise TransportLost(f"{self.host.name}: upload of {remote} failed ({type(exc).__name__}: {exc})") from None
 
 

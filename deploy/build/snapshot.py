@@ -23,12 +23,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..errors import ConfigError, SnapshotError, UsageError
 from .buildinfo import sha256_bytes, sha256_file
-from .errors import ConfigError, SnapshotError, UsageError
 
 PINNED_VERSION = "0.5.13.post1"
 MANIFEST = "MANIFEST.json"
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]  # deploy/build/snapshot.py -> the repository
 SNAPSHOT_ROOT = REPO_ROOT / "snapshot"
 WHEEL_CACHE = REPO_ROOT / ".cache" / "wheels"
 

@@ -14,6 +14,7 @@ build of the pin of that version (BuildChoice); a version without a pin is refus
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
@@ -22,9 +23,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..errors import ConfigError, DDTreeDeployError, RemoteRefused, UsageError
 from .build import BUILD_ROOT, DDTREE_UTILS, PATCHES_ROOT, Inputs
 from .buildinfo import MANIFEST_NAME, BuildInfo
-from .errors import ConfigError, DDTreeDeployError, RemoteRefused, UsageError
 from .series import load_series
 from .snapshot import SNAPSHOT_ROOT, load_manifest
 
@@ -185,6 +186,17 @@ class BuildChoice:
     def versions(self) -> list[str]:
         return [p.version for p in list_pins(self.snapshot_root)]
 
+    def file_lists(self) -> dict[str, list[str]]:
+        """{version: the files of that pin's build}, from each build's manifest (not verified here:
+        the build of the host's version is loaded, and verified, by for_version)."""
+        out = {}
+        for v in self.versions:
+            try:
+                out[v] = sorted(json.loads((build_dir(v, self.build_root) / MANIFEST_NAME).read_text())["files"])
+            except (OSError, ValueError, KeyError, TypeError):
+                continue  # no build for this pin: for_version says so if a host needs it
+        return out
+
     def describe(self) -> str:
         return f"the build of each host's pin (pins: {', '.join(self.versions) or 'none'})"
 
@@ -202,20 +214,3 @@ class BuildChoice:
                     raise ConfigError(f"no build for pin {version} at {path}: run `ddtree-deploy patch --pin {version}`")
                 self._builds[version] = self.load(path)
             return self._builds[version]
-
-
-def build_for_host(t, build, *, missing_ok: bool = False) -> BuildInfo | None:
-    """`build` itself when it is a BuildInfo (an explicit --build); for a BuildChoice, the build
-    of the pin matching the SGLang installed on the host of transport `t` (RemoteRefused, exit 6,
-    when its version has no pin). `missing_ok`: None instead of an error (status)."""
-    if not isinstance(build, BuildChoice):
-        return build
-    from .facts import host_state  # the remote machinery, only when a host is involved
-
-    try:
-        return build.for_version(host_state(t)["version"], t.label)
-    except (RemoteRefused, ConfigError):
-        if missing_ok:
-            return None
-        raise
-

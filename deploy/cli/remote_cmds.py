@@ -1,6 +1,6 @@
 """Remote commands: plan, push, status, rollback (SSH through Fabric, or `local`).
 
-Human output goes to stderr (deploy.ui.console), `--json` to stdout. Exit codes: 0 ok, 1 deploy
+Human output goes to stderr (deploy.cli.ui.console), `--json` to stdout. Exit codes: 0 ok, 1 deploy
 failed (nothing changed, or rolled back), 2 bad inventory/usage, 5 unreachable/host key, 6 refused
 (version, drift, lock, disk), 7 automatic rollback failed, 8 transition left unfinished on the host
 (the next command finishes it), 130/143 stopped by SIGINT/SIGTERM (host put back). With several
@@ -29,12 +29,10 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from . import health, launch, restart
-from . import lock as host_lock
-from .agent_client import call_agent
-from .buildinfo import MANIFEST_NAME, BuildInfo, gates_verdict, load_build
-from .cli import app
-from .errors import (
+from ..build.buildinfo import MANIFEST_NAME, BuildInfo, gates_verdict, load_build
+from ..build.pins import BuildChoice
+from ..config.inventory import Host, Inventory, load_inventory
+from ..errors import (
     EXIT_OK,
     EXIT_SIGINT,
     EXIT_SIGTERM,
@@ -42,25 +40,27 @@ from .errors import (
     DDTreeDeployError,
     RemoteRefused,
     RemoteUnreachable,
+    UsageError,
 )
-from .facts import (
+from ..remote import envfile, health, restart
+from ..remote import lock as host_lock
+from ..remote.facts import (
     CURRENT,
     DEPLOYED,
     DRIFTED,
     MISSING,
     PRISTINE,
-    gather,
-    host_state,
+    choose_build,
+    read_facts,
+    unexplained,
 )
-from .inventory import Host, Inventory, load_inventory
-from .pins import BuildChoice, build_for_host
-from .plan import add_diffs, make_plan
-from .releases import STOP, Events, Outcome, recover_host, run_host
-from .transport import connect
+from ..remote.plan import add_diffs, make_plan
+from ..remote.releases import STOP, Events, Outcome, recover_host, run_host
+from ..remote.transport import connect
 from .ui import console, emit_json, ok, warn
 
-# No --build: each host gets the build of the pin matching its SGLang (deploy.pins), from here.
-BUILD_ROOT = Path(os.environ.get("DDTREE_DEPLOY_BUILD_ROOT") or Path(__file__).resolve().parent.parent / "build")
+# No --build: each host gets the build of the pin matching its SGLang (deploy.build.pins), from here.
+BUILD_ROOT = Path(os.environ.get("DDTREE_DEPLOY_BUILD_ROOT") or Path(__file__).resolve().parents[2] / "build")
 
 InventoryOpt = Annotated[Path | None, typer.Option("--inventory", "-i", help="hosts.toml (default: $DDTREE_DEPLOY_HOSTS or ./hosts.toml).")]
 BuildOpt = Annotated[Path | None, typer.Option("--build", help="The build directory (with BUILD-MANIFEST.json) for every host; default $DDTREE_DEPLOY_BUILD, else build/sglang-<V> of each host's SGLang version V.")]
@@ -135,6 +135,9 @@ class RichEvents(Events):
             self.p.update(self.tasks[host], total=total, completed=self.sent[host],
                           description=f"{host}: uploading {self.sent[host] / 1e3:.0f}/{total / 1e3:.0f} kB")
 
+    def warn(self, host: str, message: str) -> None:
+        warn(message)
+
     def waiting(self, host: str, elapsed: float, deadline: float) -> None:
         self.p.update(self.tasks[host], description=f"{host}: health gate {elapsed:.0f}/{deadline:.0f}s",
                       total=deadline, completed=min(elapsed, deadline))
@@ -176,23 +179,39 @@ class Signals:
     def exit_code(self, code: int) -> int:
         return self.code if self.code is not None and code not in (7, 8) else code
 
+    def mark(self, outs: list[Outcome]) -> None:
+        """After a signal, each row shows the code the process exits with for it (130/143 unless 7 or 8)."""
+        for o in outs:
+            if not o.ok:
+                o.code = self.exit_code(o.code)
 
-def _run_many(hosts: list[Host], inv: Inventory, action: str, serial: int | None, **kw) -> list[Outcome]:
+
+def _run_many(hosts: list[Host], inv: Inventory, action: str, serial: int | None, max_failures: int | None = None,
+              **kw) -> tuple[list[Outcome], list[str]]:
+    """Run `action` on the hosts, `serial` at a time (default: all at once). A rollout in batches stops
+    once more than `max_failures` hosts failed (or on a signal): the outcomes, and the hosts not touched."""
     results: dict[str, Outcome] = {}
     size = serial or len(hosts)
+    untouched: list[str] = []
     with _progress() as progress:
         ev = RichEvents(progress, [h.name for h in hosts])
         for i in range(0, len(hosts), size):
+            failed = sum(not o.ok for o in results.values())
+            if i and ((max_failures is not None and failed > max_failures) or STOP.is_set()):
+                untouched = [h.name for h in hosts[i:]]
+                for name in untouched:
+                    progress.update(ev.tasks[name], description=f"{name}: not touched (rollout stopped)")
+                break
             batch = hosts[i:i + size]
             with ThreadPoolExecutor(max_workers=len(batch)) as pool:
                 futs = {h.name: pool.submit(run_host, h, inv, action, ev, **kw) for h in batch}
                 for name, fut in futs.items():
                     results[name] = fut.result()
                     progress.update(ev.tasks[name], description=f"{name}: {'done' if results[name].ok else 'FAILED'}")
-    return [results[h.name] for h in hosts]
+    return [results[h.name] for h in hosts if h.name in results], untouched
 
 
-def _table(title: str, outs: list[Outcome]) -> None:
+def _table(title: str, outs: list[Outcome], untouched: list[str] = ()) -> None:
     """changed: the host's files differ from before the run; restarted: how many restarts the run
     caused; rolled back: an automatic rollback (or the recovery of an earlier run) ran."""
     t = Table(title=title)
@@ -203,6 +222,8 @@ def _table(title: str, outs: list[Outcome]) -> None:
         t.add_row(o.host, "[green]ok[/]" if o.ok else "[bold red]FAILED[/]", str(o.code), o.release or "-",
                   "yes" if o.changed else "no", f"yes ({n}x)" if n else "no",
                   "yes" if o.extra.get("rolled_back") else "no", o.message)
+    for name in untouched:
+        t.add_row(name, "[yellow]not touched[/]", "-", "-", "no", "no", "no", "the rollout stopped before this host")
     console.print(t)
     for o in outs:
         if o.detail:
@@ -210,17 +231,19 @@ def _table(title: str, outs: list[Outcome]) -> None:
             console.print(o.detail, markup=False, highlight=False)
 
 
-@app.command()
 def push(
     hosts: Annotated[list[str], typer.Argument(help="Inventory host names (`local` = this machine).")],
     inventory: InventoryOpt = None,
     build: BuildOpt = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite drifted files (they are backed up).")] = False,
-    serial: Annotated[int | None, typer.Option("--serial", min=1, help="Deploy N hosts at a time (default: all at once).")] = None,
+    serial: Annotated[int | None, typer.Option("--serial", min=1, help="Deploy N hosts at a time (default: all at once); the rollout stops at the first failed host.")] = None,
+    max_failures: Annotated[int | None, typer.Option("--max-failures", min=0, help="With --serial: go on until more than K hosts failed (default 0).")] = None,
     break_lock: BreakLock = False,
     json_out: JsonOpt = False,
 ) -> None:
-    """Deploy the build: preflight, upload, verify, atomic swap, restart, health gate, auto-rollback."""
+    """Deploy the build: preflight, upload, verify, atomic swap, restart, health gate, auto-rollback.
+    With --serial N, hosts go N at a time and the rollout stops after the first batch with a failure
+    (--max-failures K: once more than K hosts failed); the hosts it did not reach are listed."""
     try:
         inv = load_inventory(inventory)
         targets = _hosts(inv, hosts)
@@ -230,19 +253,23 @@ def push(
     what = (f"build [bold]{b.build_id}[/] (sglang {b.sglang_version}, {len(b.patches)} patches, {len(b.files)} files)"
             if isinstance(b, BuildInfo) else escape(b.describe()))
     console.print(f"push {what} to {', '.join(hosts)}")
+    if max_failures is not None and serial is None:
+        raise UsageError("--max-failures needs --serial N (without it every host is deployed at once)")
     with Signals() as sigs:
-        outs = _run_many(targets, inv, "push", serial, build=b, force=force, break_lock=break_lock)
-    _table("push", outs)
+        outs, untouched = _run_many(targets, inv, "push", serial, (max_failures or 0) if serial else None,
+                                    build=b, force=force, break_lock=break_lock)
+    sigs.mark(outs)
+    _table("push", outs, untouched)
     code = sigs.exit_code(worst([o.code for o in outs]))
     if json_out:
         emit_json({"action": "push", "build_id": getattr(b, "build_id", None), "ok": code == EXIT_OK, "exit_code": code,
-                   "results": [o.to_json() for o in outs]})
+                   "results": [o.to_json() for o in outs], "untouched": untouched})
     if code:
         failed = [o.host for o in outs if not o.ok]
-        raise _exit(code, f"push failed on {', '.join(failed)} (exit {code}); see the table above")
+        raise _exit(code, f"push failed on {', '.join(failed)} (exit {code})"
+                    + (f"; not touched: {', '.join(untouched)}" if untouched else "") + "; see the table above")
 
 
-@app.command()
 def rollback(
     host: Annotated[str, typer.Argument(help="Inventory host name.")],
     to: Annotated[str | None, typer.Option("--to", help="A release id, or `pristine` (default: the state before the current release).")] = None,
@@ -257,7 +284,8 @@ def rollback(
     except DDTreeDeployError as exc:
         raise _fail(exc) from None
     with Signals() as sigs:
-        outs = _run_many([h], inv, "rollback", None, to=to, break_lock=break_lock)
+        outs, _ = _run_many([h], inv, "rollback", None, to=to, break_lock=break_lock)
+    sigs.mark(outs)
     _table("rollback", outs)
     code = sigs.exit_code(outs[0].code)
     if json_out:
@@ -266,7 +294,30 @@ def rollback(
         raise _exit(code, f"rollback of {host} failed (exit {code}): {outs[0].message}")
 
 
-@app.command()
+def restart_cmd(
+    host: Annotated[str, typer.Argument(help="Inventory host name.")],
+    inventory: InventoryOpt = None,
+    break_lock: BreakLock = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Restart the service with the files as they are, then the health gate (journaled on the host).
+    For a stopped or failed service: after an exit 7, or a crash. Exit 1 when it is not healthy."""
+    try:
+        inv = load_inventory(inventory)
+        h = inv.get(host)
+    except DDTreeDeployError as exc:
+        raise _fail(exc) from None
+    with Signals() as sigs:
+        outs, _ = _run_many([h], inv, "restart", None, break_lock=break_lock)
+    sigs.mark(outs)
+    _table("restart", outs)
+    code = sigs.exit_code(outs[0].code)
+    if json_out:
+        emit_json({"action": "restart", "ok": code == EXIT_OK, "exit_code": code, "results": [o.to_json() for o in outs]})
+    if code:
+        raise _exit(code, f"restart of {host} failed (exit {code}): {outs[0].message}")
+
+
 def plan(
     host: Annotated[str, typer.Argument(help="Inventory host name.")],
     inventory: InventoryOpt = None,
@@ -275,16 +326,19 @@ def plan(
     force: Annotated[bool, typer.Option("--force", help="Plan as `push --force` would.")] = False,
     json_out: JsonOpt = False,
 ) -> None:
-    """Dry run: read the host and show what `push` would do. Changes nothing."""
+    """Dry run: read the host and show what `push` would do. Changes nothing (but finishes a transition
+    an earlier run left unfinished: roll back and restart, as every command does first)."""
     t = None
     try:
         inv = load_inventory(inventory)
         h = inv.get(host)
         b = _build_arg(build, lambda p: _load_build(p, require_gates=False))
         t = connect(h, inv)
-        b = build_for_host(t, b)  # the build of the host's pin (exit 6 when its SGLang has none)
-        notes = _recover(t)
-        facts = gather(t, b)
+        facts = read_facts(t, b)  # one read: the files of the host's pin's build (BuildChoice) or of --build
+        notes = _recover(t, facts)
+        if notes:  # an earlier run's transition was finished: the host changed
+            facts = read_facts(t, b)
+        b = choose_build(b, facts, h.name)  # the build of the host's pin (exit 6 when its SGLang has none)
         p = make_plan(t, b, facts, force=force)
         if diff:
             add_diffs(t, b, p)
@@ -317,15 +371,14 @@ def plan(
         emit_json(dict(p.to_json(), recovered=notes))
 
 
-def _recover(t) -> list[str]:
+def _recover(t, facts) -> list[str]:
     """Finish what an earlier run left unfinished on the host (journal recovery), and say so."""
-    notes = recover_host(t)
+    notes = recover_host(t, facts=facts)
     for n in notes:
         warn(f"{t.label}: {n}")
     return notes
 
 
-@app.command()
 def status(
     host: Annotated[str, typer.Argument(help="Inventory host name.")],
     inventory: InventoryOpt = None,
@@ -341,24 +394,22 @@ def status(
         path = build or os.environ.get("DDTREE_DEPLOY_BUILD")
         b = (load_build(path) if (Path(path) / MANIFEST_NAME).is_file() else None) if path else BuildChoice(load_build, BUILD_ROOT)
         t = connect(h, inv)
-        b = build_for_host(t, b, missing_ok=True)  # no pin or no build for the host's SGLang: host state only
-        out["recovered"] = _recover(t)
-        raw0 = host_state(t)
-        out["unfinished"] = raw0.get("unfinished") or []
-        rec_files = (raw0.get("current") or {}).get("files") or {}
-        got = call_agent(t, "hashes", {"sglang_dir": raw0["sglang_dir"], "files": sorted(rec_files)}, 120)["files"] if rec_files else {}
+        facts = read_facts(t, b, current_files=True)  # the one read of the host's state
+        out["recovered"] = _recover(t, facts)
+        if out["recovered"]:  # an earlier run's transition was finished: the host changed
+            facts = read_facts(t, b, current_files=True)
+        b = choose_build(b, facts, h.name, missing_ok=True)  # no pin or no build for the host's SGLang: host state only
+        out["unfinished"] = facts.unfinished
+        rec_files = (facts.current or {}).get("files") or {}
+        got = facts.current_files or {}
         out["verify"] = {rel: ("ok" if got.get(rel) == sha else ("missing" if got.get(rel) is None and sha else "changed"))
                          for rel, sha in sorted(rec_files.items())}
-        out["lock_holder"] = (dict(raw0["lock"], alive=host_lock.holder_status(raw0["lock"])) if raw0.get("lock") else None)
+        out["lock_holder"] = (dict(facts.lock, alive=host_lock.holder_status(facts.lock)) if facts.lock else None)
+        out.update(sglang_version=facts.version, sglang_dir=facts.sglang_dir, current=facts.current, lock=facts.lock)
         if b is not None:
-            facts = gather(t, b)
-            out.update(sglang_version=facts.version, sglang_dir=facts.sglang_dir, current=facts.current,
-                       lock=facts.lock, files={f.relpath: f.status for f in facts.files}, build_id=b.build_id)
-        else:  # no local build to compare against: the host's own state only
-            raw = host_state(t)
-            out.update(sglang_version=raw["version"], sglang_dir=raw["sglang_dir"], current=raw["current"],
-                       lock=raw["lock"])
-        out["launch"] = launch.live(t)  # [launch]: the flags the service starts with
+            out.update(files={f.relpath: f.status for f in facts.files}, build_id=b.build_id)
+        out["hand_edited"] = unexplained(facts)  # bytes neither a push nor upstream had, whoever put them back
+        out["launch"] = envfile.live(t, facts)  # [launch]: the flags the service starts with
         out["service"] = restart.service_state(t)
         try:
             info = health.server_info(t) if out["service"] == "running" else None
@@ -382,13 +433,14 @@ def status(
     cur = out.get("current") or {}
     tab.add_row("state", str(cur.get("state", "unmanaged")) + (f" (since {cur.get('time')})" if cur else ""))
     tab.add_row("sglang", f"{out['sglang_version']} at {out['sglang_dir']}")
+    drift = sorted(set(out["hand_edited"]) | {f for f, s in (out.get("files") or {}).items() if s in (DRIFTED, MISSING)})
+    out["drift"] = drift
     if "files" in out:
-        drift = [f for f, s in out["files"].items() if s in (DRIFTED, MISSING)]
         tab.add_row("files", ", ".join(f"{s}: {sum(1 for v in out['files'].values() if v == s)}"
                                        for s in sorted(set(out["files"].values()))) + f" (build {out['build_id']})")
-        tab.add_row("drift", ", ".join(drift) if drift else "none")
     else:
-        tab.add_row("files", "no local build to compare with (drift not checked)")
+        tab.add_row("files", "no local build to compare with (drift from the release records only)")
+    tab.add_row("drift", f"[bold red]{escape(', '.join(drift))}[/] (changed outside this tool)" if drift else "none")
     bad = [f"{rel} ({v})" for rel, v in out["verify"].items() if v != "ok"]
     tab.add_row("verified", (f"[bold red]DRIFT from the release record: {', '.join(bad)}[/]" if bad else
                              f"{len(out['verify'])} files match the release record") if out["verify"] else "no release record")
@@ -414,13 +466,13 @@ def status(
         emit_json(out)
     if not out["healthy"]:
         raise _exit(1, f"{host}: the service is {out['service']} and not healthy")
-    if bad or out["unfinished"]:
+    if bad or out["unfinished"] or drift:
         raise _exit(1, f"{host}: healthy, but " + (f"its files differ from the release record ({', '.join(bad)})" if bad
-                                                   else "a transition is unfinished"))
+                                                   else "a transition is unfinished" if out["unfinished"]
+                                                   else f"files were changed outside this tool ({', '.join(drift)})"))
     ok(f"{host} is healthy")
 
 
-@app.command()
 def unlock(
     host: Annotated[str, typer.Argument(help="Inventory host name.")],
     inventory: InventoryOpt = None,
@@ -434,8 +486,8 @@ def unlock(
         inv = load_inventory(inventory)
         h = inv.get(host)
         t = connect(h, inv)
-        raw = host_state(t)
-        holder = raw.get("lock")
+        raw = read_facts(t)
+        holder = raw.lock
         if not holder:
             result = {"host": host, "released": False, "holder": None, "message": "no lock held"}
         else:
@@ -446,7 +498,7 @@ def unlock(
             host_lock.break_lock(t)
             result = {"host": host, "released": True, "holder": holder, "holder_status": st,
                       "message": f"removed the lock of {host_lock.describe(holder)} (holder {st})"}
-        result["unfinished"] = [u["release"] for u in raw.get("unfinished") or []]
+        result["unfinished"] = [u["release"] for u in raw.unfinished]
     except DDTreeDeployError as exc:
         raise _fail(exc) from None
     finally:

@@ -1,9 +1,9 @@
 """Build-side commands (no remote host): patch, check, series, refresh, snapshot verify/import.
 
-Every command works per pin (deploy/pins.py): `--pin V`, default every pin (`refresh`: the pin
+Every command works per pin (deploy/build/pins.py): `--pin V`, default every pin (`refresh`: the pin
 whose series holds the patch). `--snapshot-dir` / `--patches-dir` name one pin's inputs directly.
 
-Human output goes to stderr (deploy.ui.console); `--json` writes one document to stdout.
+Human output goes to stderr (deploy.cli.ui.console); `--json` writes one document to stdout.
 Errors are raised as deploy.errors.* and mapped to exit codes by deploy.cli.main.
 """
 
@@ -26,27 +26,23 @@ from rich.progress import (
 from rich.table import Table
 from rich.text import Text
 
-from ..checks import gate_unit
-from ..checks.base import FAIL, PASS, SKIP, Context, GateResult
-from ..checks.registry import record_gates, run_gates, select
-from . import pins as pins_mod
-from . import snapshot as snap
-from .build import BUILD_ROOT, DDTREE_UTILS, PATCHES_ROOT, build
-from .cli import app
-from .errors import DDTreeDeployError, GateFailed, SnapshotError, UsageError
-from .pins import Pin
-from .refresh import refresh as refresh_patch
-from .series import (
+from ...checks import gate_unit
+from ...checks.base import FAIL, PASS, SKIP, Context, GateResult
+from ...checks.registry import record_gates, run_gates, select
+from ..build import pins as pins_mod
+from ..build import snapshot as snap
+from ..build.build import BUILD_ROOT, DDTREE_UTILS, PATCHES_ROOT, build
+from ..build.pins import Pin
+from ..build.refresh import refresh as refresh_patch
+from ..build.series import (
     check_header,
     load_series,
     parse_header,
     patch_files,
     split_header,
 )
+from ..errors import DDTreeDeployError, GateFailed, SnapshotError, UsageError
 from .ui import console, emit_json, error, ok, warn
-
-snapshot_app = typer.Typer(help="Check or re-import the vendored upstream SGLang files.", no_args_is_help=True)
-app.add_typer(snapshot_app, name="snapshot")
 
 PinOpt = Annotated[
     str | None, typer.Option("--pin", help="Only this pin (an SGLang version with snapshot/sglang-<V>/); default: every pin.")
@@ -144,7 +140,7 @@ def _show_gates(results: list[GateResult], title: str = "Quality gates") -> None
 
 
 # ---------------------------------------------------------------------------------------------
-# Pins: which snapshot + series each command works on (see deploy/pins.py)
+# Pins: which snapshot + series each command works on (see deploy/build/pins.py)
 
 
 def _pins(pin, snapshot_dir, patches_dir, snapshot_root, patches_root) -> tuple[list[Pin], bool]:
@@ -208,7 +204,6 @@ def _fail_first(errors: list[DDTreeDeployError], results: dict[str, list[GateRes
                          f"quality gate(s) failed: {failed[0].split(': ', 1)[1]}")
 
 
-@app.command()
 def patch(
     pin: PinOpt = None,
     snapshot_dir: SnapshotDir = None,
@@ -259,7 +254,6 @@ def patch(
     _fail_first(errors, results)
 
 
-@app.command()
 def check(
     pin: PinOpt = None,
     snapshot_dir: SnapshotDir = None,
@@ -309,7 +303,6 @@ def _series_rows(patches_dir: Path) -> tuple[Path, list[dict]]:
     return s.series_path, rows
 
 
-@app.command("series")
 def series_cmd(
     pin: PinOpt = None,
     patches_dir: PatchesDir = None,
@@ -349,7 +342,6 @@ def series_cmd(
         console.print(table)
 
 
-@app.command("refresh")
 def refresh_cmd(
     patch_name: Annotated[str, typer.Argument(metavar="PATCH", help="Patch name (or its NNNN number) in the series.")],
     add_file: Annotated[
@@ -397,7 +389,6 @@ def refresh_cmd(
         raise UsageError(f"after refreshing {r.patch.name}: {r.broken}")
 
 
-@snapshot_app.command("verify")
 def snapshot_verify(
     pin: PinOpt = None,
     snapshot_dir: SnapshotDir = None,
@@ -442,7 +433,6 @@ def snapshot_verify(
         raise bad
 
 
-@snapshot_app.command("import")
 def snapshot_import(
     version: Annotated[str, typer.Option("--version", help="SGLang version to import.")] = snap.PINNED_VERSION,
     file: Annotated[

@@ -26,7 +26,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 MANIFEST_NAME = "BUILD-MANIFEST.json"
 SCHEMA = 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from shlex import quote as q
 
-from .inventory import (
+from ..config.inventory import (
     CommandRestart,
     PidfileRestart,
     SupervisorRestart,

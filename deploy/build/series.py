@@ -19,7 +19,7 @@ from pathlib import Path
 
 import unidiff
 
-from .errors import ConfigError, PatchApplyError
+from ..errors import ConfigError, PatchApplyError
 
 SERIES = "series"
 NAME_RE = re.compile(r"^(\d{4})-[A-Za-z0-9][A-Za-z0-9._+-]*\.patch$")
