@@ -25,7 +25,10 @@ import logging
 from typing import Callable, NamedTuple
 
 __all__ = [
+    "auto_verify_widths",
     "check_page_size",
+    "DDTREE_AUTO",
+    "DDTREE_AUTO_WIDTHS",
     "DDTREE_DEFAULT_TOPK_CAP",
     "DDTREE_FLAGS",
     "DDTREE_MAX_BUDGET",
@@ -35,6 +38,7 @@ __all__ = [
     "graph_batch_size",
     "is_ddtree_algorithm",
     "max_accept_depth",
+    "parse_ddtree_budget",
     "reject_ddtree_flags_without_ddtree",
     "resolve_ddtree_server_args",
     "spec_steps_and_topk",
@@ -61,6 +65,10 @@ DDTREE_DEFAULT_TOPK_CAP = 16
 # float32 vocab-sized logits row in the graph buffers, so large budgets capture fewer batch sizes;
 # larger batches run the verify without CUDA graphs.
 DDTREE_MAX_CUDA_GRAPH_TOKENS = 4096
+# --speculative-ddtree-budget auto: the verify widths (budget + 1) a round may use before the
+# memory rule below filters them (ddtree_budget chooses one per round).
+DDTREE_AUTO = "auto"
+DDTREE_AUTO_WIDTHS = (8, 16, 32, 64, 128, 256)
 # (flag, server-args field): DDTREE only, an error with any other algorithm (or none).
 DDTREE_FLAGS = (
     ("--speculative-ddtree-budget", "speculative_ddtree_budget"),
@@ -95,6 +103,60 @@ def reject_ddtree_flags_without_ddtree(server_args) -> None:
         )
 
 
+def parse_ddtree_budget(value):
+    """``--speculative-ddtree-budget``'s value (both pins' CLI type): None, an int (its range is
+    checked by :func:`resolve_ddtree_server_args`) or :data:`DDTREE_AUTO`; case and blanks
+    around ``auto`` are ignored. ValueError for anything else."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise ValueError(f"--speculative-ddtree-budget must be an integer or 'auto', got {value!r}")
+    if isinstance(value, int):
+        return value
+    text = str(value).strip().lower()
+    if text == DDTREE_AUTO:
+        return DDTREE_AUTO
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(
+            f"--speculative-ddtree-budget must be an integer or 'auto', got {value!r}"
+        ) from None
+
+
+def auto_verify_widths(
+    max_batch: int,
+    capacity: int,
+    widths=DDTREE_AUTO_WIDTHS,
+    max_graph_tokens: int = DDTREE_MAX_CUDA_GRAPH_TOKENS,
+) -> tuple:
+    """The verify widths ``--speculative-ddtree-budget auto`` may use, ascending: ``2 <= w <=
+    DDTREE_MAX_BUDGET + 1``, ``w - 1`` nodes that the tree can hold (``capacity``,
+    :func:`tree_capacity`), and the memory rule ``w * max_batch <= max_graph_tokens`` (every
+    width's verify graphs cover every batch size up to ``max_batch``, the largest CUDA-graph
+    batch size, or the running-request cap without graphs). ValueError when none is left."""
+    max_batch, capacity = int(max_batch), int(capacity)
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+    keep = sorted(
+        {
+            int(w)
+            for w in widths
+            if 2 <= int(w) <= DDTREE_MAX_BUDGET + 1
+            and int(w) - 1 <= capacity
+            and int(w) * max_batch <= max_graph_tokens
+        }
+    )
+    if not keep:
+        raise ValueError(
+            f"DDTREE --speculative-ddtree-budget auto: no verify width in "
+            f"{sorted(int(w) for w in widths)} fits {max_graph_tokens} tokens per verify graph "
+            f"at batch {max_batch} and a tree of at most {capacity} nodes; lower "
+            "--cuda-graph-max-bs / --max-running-requests or pass a fixed budget."
+        )
+    return tuple(keep)
+
+
 def tree_capacity(topk_cap: int, max_depth: int, budget: int) -> int:
     """Nodes a tree of depth <= ``max_depth`` with at most ``topk_cap`` children per node can
     hold (``K + K^2 + ... + K^D``), counted only until it reaches ``budget``."""
@@ -108,7 +170,9 @@ def tree_capacity(topk_cap: int, max_depth: int, budget: int) -> int:
 
 
 def resolve_ddtree_server_args(
-    server_args, handle_dflash: Callable[[object], None]
+    server_args,
+    handle_dflash: Callable[[object], None],
+    auto_max_batch: Callable[[object], int] | None = None,
 ) -> tuple[int, int, int]:
     """The DDTREE part of the server-args handling that is the same on every pin.
 
@@ -119,14 +183,33 @@ def resolve_ddtree_server_args(
     1..DDTREE_MAX_BUDGET (default block - 1), top-k cap >= 1 (default min(budget, 16), clamped to
     the budget) able to hold the budget, no deterministic inference and no lossy acceptance.
 
+    ``--speculative-ddtree-budget auto`` (a pin that runs it passes ``auto_max_batch``: the
+    largest batch one verify may hold after the DFLASH handling, e.g. the largest CUDA-graph
+    batch size): the budget becomes the widest of :func:`auto_verify_widths` minus one (every
+    size derived from the budget then covers every width) and
+    ``speculative_ddtree_auto_widths`` lists the widths; the verify width varies per round, so
+    ``--speculative-num-draft-tokens`` is refused with it.
+
     Sets ``speculative_dflash_block_size``, ``speculative_ddtree_budget`` and
     ``speculative_ddtree_topk_cap``; leaves ``speculative_num_draft_tokens`` at the block size
     for the pin to set the verify width and its (num_steps, topk). Returns
     ``(block, budget, topk_cap)``. Raises ValueError with the flag to change.
     """
     verify_width = server_args.speculative_num_draft_tokens
-    budget = server_args.speculative_ddtree_budget
-    if verify_width is not None:
+    budget = parse_ddtree_budget(server_args.speculative_ddtree_budget)
+    auto = budget == DDTREE_AUTO
+    if auto:
+        if auto_max_batch is None:
+            raise ValueError(
+                "DDTREE: --speculative-ddtree-budget auto is not available on this SGLang "
+                "version; pass a fixed budget (1..1023)."
+            )
+        if verify_width is not None:
+            raise ValueError(
+                "DDTREE: --speculative-ddtree-budget auto chooses the verify width per round; "
+                f"drop --speculative-num-draft-tokens (got {verify_width})."
+            )
+    elif verify_width is not None:
         verify_width = int(verify_width)
         if budget is None:
             budget = verify_width - 1
@@ -152,6 +235,16 @@ def resolve_ddtree_server_args(
         )
     server_args.speculative_dflash_block_size = block_size
 
+    if auto:
+        cap = server_args.speculative_ddtree_topk_cap
+        cap = DDTREE_DEFAULT_TOPK_CAP if cap is None else max(1, int(cap))
+        widths = auto_verify_widths(
+            auto_max_batch(server_args),
+            tree_capacity(cap, block_size - 1, DDTREE_MAX_BUDGET),
+        )
+        server_args.speculative_ddtree_auto_widths = list(widths)
+        budget = widths[-1] - 1
+        logger.info("DDTREE budget auto: verify widths %s (budget %d sizes the round).", widths, budget)
     if budget is None:
         budget = block_size - 1
     budget = int(budget)

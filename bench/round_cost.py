@@ -230,6 +230,9 @@ def main() -> int:
     ap.add_argument("--backend", default="triton")
     ap.add_argument("--bs", default="1,4,16,32")
     ap.add_argument("--only", default="", help="comma-separated config names")
+    ap.add_argument("--budgets", default="",
+                    help="more DDTREE budgets as configs ddtree_b<B> (e.g. 7,31,127,255: the widths "
+                         "--speculative-ddtree-budget auto chooses among, for its cost table)")
     ap.add_argument("--port", type=int, default=30100)
     ap.add_argument("--deadline", type=float, default=540, help="seconds for the whole run")
     ap.add_argument("--extend-attention", action="store_true",
@@ -245,6 +248,8 @@ def main() -> int:
         with open(f"/tmp/{name}/config.json", "w") as f:
             json.dump(cfg, f)
     configs = {**CONFIGS, **(EXTEND_ATTENTION if a.extend_attention else {})}
+    for b in (int(x) for x in a.budgets.split(",") if x.strip()):
+        configs.setdefault(f"ddtree_b{b}", SPEC.format(algo="DDTREE", draft="{draft}") + f" --speculative-ddtree-budget {b}")
     names = [n for n in configs if not a.only or n in a.only.split(",")]
     procs = {}
     for i, name in enumerate(names):

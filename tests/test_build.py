@@ -209,6 +209,13 @@ def test_a_build_ships_the_modules_its_tree_imports(project):
 
     project.utils.write_text("try:\n    from . import ddtree_triton\nexcept ImportError:\n    pass\n")
     build(project.inputs())
+    budget = "srt/speculative/ddtree_budget.py"
+    assert _shipped(project.build_dir) == set(SHIPPED_FILES) - {budget}  # nothing imports it yet
+    project.add_patch(
+        "0002-use-budget.patch",
+        udiff("srt/speculative/user2.py", None, "from sglang.srt.speculative.ddtree_budget import OFF\n"),
+    )
+    build(project.inputs())
     assert _shipped(project.build_dir) == set(SHIPPED_FILES)
     assert not list(project.build_dir.rglob("ddtree_reference.py"))
 

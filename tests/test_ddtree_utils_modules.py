@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-MODULES = ["ddtree_utils", "ddtree_triton", "ddtree_serving", "ddtree_reference"]
+MODULES = ["ddtree_utils", "ddtree_triton", "ddtree_serving", "ddtree_budget", "ddtree_reference"]
 
 
 def _defined_public_names(path: Path) -> set[str]:
@@ -35,7 +35,7 @@ def test_all_lists_every_public_name(name):
     assert all(hasattr(mod, n) for n in mod.__all__)
 
 
-@pytest.mark.parametrize("name", ["ddtree_utils", "ddtree_triton", "ddtree_serving"])
+@pytest.mark.parametrize("name", ["ddtree_utils", "ddtree_triton", "ddtree_serving", "ddtree_budget"])
 def test_shipped_modules_import_no_oracle_and_nothing_unshipped(name):
     """A shipped module imports the standard library, torch / triton, and its shipped siblings
     only (ddtree_reference is the tests' and is never shipped)."""

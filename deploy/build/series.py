@@ -29,9 +29,10 @@ REQUIRED = ("Description", "Origin", "Forwarded", "Last-Update")
 SHIPPED_UTILS = "srt/speculative/ddtree_utils.py"
 # The repository's top-level modules a build may ship into srt/speculative/: ddtree_utils.py
 # always, each other one when the patched tree (or a shipped module) imports it (build.ship_modules;
-# today both pins import ddtree_serving, and ddtree_utils imports ddtree_triton). The tests'
+# today both pins import ddtree_serving, ddtree_utils imports ddtree_triton, and the 0.5.16 worker
+# imports ddtree_budget). The tests'
 # oracles, ddtree_reference.py, are never shipped.
-SHIPPED_MODULES = ("ddtree_utils.py", "ddtree_triton.py", "ddtree_serving.py")
+SHIPPED_MODULES = ("ddtree_utils.py", "ddtree_triton.py", "ddtree_serving.py", "ddtree_budget.py")
 SHIPPED_FILES = tuple(f"srt/speculative/{m}" for m in SHIPPED_MODULES)
 
 

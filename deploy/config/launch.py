@@ -36,7 +36,7 @@ import hashlib
 import re
 from dataclasses import dataclass, field
 
-from ddtree_serving import DDTREE_MAX_BUDGET  # the server-args rule both pins apply
+from ddtree_serving import DDTREE_AUTO, DDTREE_MAX_BUDGET  # the server-args rules both pins apply
 
 DEFAULT_VARIABLE = "SGLANG_SPEC_ARGS"
 DEFAULT_DDTREE_ARGS = "--speculative-algorithm DDTREE --speculative-ddtree-budget 63"
@@ -113,6 +113,11 @@ def validate_ddtree_args(args: str) -> str:
             raise ValueError(f"unknown DDTREE flag {name} (known: {', '.join(known)})")
         if name in DDTREE_BOOL_FLAGS and value is not None:
             raise ValueError(f"{name} takes no value, got {value!r}")
+        if name == "--speculative-ddtree-budget" and value is not None and value.lower() == DDTREE_AUTO:
+            # The shared rule parses it, but no pin's worker switches widths yet: SGLang would
+            # refuse it at start (docs/DDTREE.md, "--speculative-ddtree-budget auto").
+            raise ValueError("--speculative-ddtree-budget auto is not served by this project's builds yet "
+                             "(the per-round width controller is not plumbed into a worker); give 1..1023")
         if name in DDTREE_INT_FLAGS:
             lo, hi = DDTREE_INT_FLAGS[name]
             if value is None or not re.fullmatch(r"\d+", value) or int(value) < lo or (hi is not None and int(value) > hi):

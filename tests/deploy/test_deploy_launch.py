@@ -86,6 +86,8 @@ env_file = "/etc/sglang/ddtree.env"
     ('ddtree_args = "--speculative-algorithm DFLASH"', "hosts.gpu.launch.ddtree_args: must say `--speculative-algorithm DDTREE`"),
     ('ddtree_args = "--speculative-ddtree-budget 63"', "must turn DDTREE on"),
     ('ddtree_args = "--speculative-algorithm DDTREE --speculative-ddtree-budget 2048"', "--speculative-ddtree-budget needs an integer 1..1023, got '2048'"),
+    ('ddtree_args = "--speculative-algorithm DDTREE --speculative-ddtree-budget auto"',
+     "--speculative-ddtree-budget auto is not served by this project's builds yet"),
     ('ddtree_args = "--speculative-algorithm DDTREE --speculative-ddtree-budgit 7"', "unknown DDTREE flag --speculative-ddtree-budgit"),
     ('ddtree_args = "--speculative-algorithm DDTREE --speculative-draft-model-path \\"/m/a b\\""', "cannot carry safely"),
     ('ddtree_args = "--speculative-algorithm DDTREE --speculative-ddtree-budget 7 --speculative-num-draft-tokens 16"',

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import re
 import shlex
 from pathlib import Path
 from types import SimpleNamespace
@@ -179,6 +180,26 @@ def test_other_algorithms_are_unchanged(parse):
 def test_invalid_configurations(parse, extra, message):
     with pytest.raises(ValueError, match=message):
         parse("--attention-backend triton " + extra)
+
+
+@pytest.mark.parametrize(
+    ("extra", "widths"),
+    [
+        ("--cuda-graph-max-bs 16", [8, 16, 32, 64, 128, 256]),
+        ("--cuda-graph-max-bs 48", [8, 16, 32, 64]),
+        ("--disable-cuda-graph --max-running-requests 8", [8, 16, 32, 64, 128, 256]),
+    ],
+)
+def test_budget_auto_resolves_its_widths_then_is_refused(parse, extra, widths):
+    """--speculative-ddtree-budget auto parses on this pin's CLI (ddtree_serving's type parser)
+    and resolves to the widths of the memory rule at the largest graph batch (or the running
+    cap); the worker does not switch widths yet, so the start-up refuses it, naming them."""
+    with pytest.raises(ValueError, match=re.escape(f"verify widths {widths}") + ".*does not switch"):
+        parse(f"--attention-backend triton --speculative-ddtree-budget auto {extra}")
+    with pytest.raises(SystemExit):  # argparse: not an integer nor auto
+        parse("--attention-backend triton --speculative-ddtree-budget 63x")
+    with pytest.raises(ValueError, match="drop --speculative-num-draft-tokens"):
+        parse("--attention-backend triton --speculative-ddtree-budget AUTO --speculative-num-draft-tokens 16")
 
 
 def test_backend_without_tree_mask_is_refused(parse):

@@ -1,0 +1,411 @@
+"""The per-round verify width of ``--speculative-ddtree-budget auto``: a controller that picks,
+for each decode round, the tree width that maximises expected committed tokens per second.
+
+Torch + standard library. Shipped next to ddtree_utils.py as
+``sglang/srt/speculative/ddtree_budget.py`` when a pin's worker imports it. Pure pieces:
+
+* :func:`expected_committed` (batched, capture-safe): the expected committed tokens of the
+  best-first tree truncated to each width, from the tree's own node path probabilities. The
+  first ``w - 1`` nodes of a best-first tree of budget ``B >= w - 1`` are exactly the best-first
+  tree of budget ``w - 1`` (the nodes are listed in the tie order and every prefix of that order
+  is prefix-closed), so one tree built at the largest width prices every width, and
+  :func:`truncate_tree` cuts the compiled tree to the chosen width.
+* :class:`AcceptCalibration`: an online ratio (realised / predicted accepted drafts) per option,
+  exponentially forgotten, shrunk towards the ratio pooled over all options.
+* :class:`CostTable`: round seconds per (batch bucket x option) from a caller-supplied timing
+  function (the worker replays its captured graphs; tests pass a synthetic model), interpolated
+  for batch sizes between the measured buckets.
+* :func:`best_option` and :class:`BudgetController`: the choice.
+
+The flag's value and the widths ``auto`` may use (the memory rule) are server-argument rules,
+in ddtree_serving (``parse_ddtree_budget``, ``auto_verify_widths``).
+
+Options: an ``int`` is a tree of verify width ``w = budget + 1``; ``"chain"`` is DFLASH's round
+shape (the drafter's top-1 token at every depth, width = block size); ``"off"`` is plain decode
+(width 1, one committed token per request). Units: tokens per request unless a name says sum;
+seconds for costs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "CHAIN",
+    "OFF",
+    "AcceptCalibration",
+    "BudgetController",
+    "CostTable",
+    "Option",
+    "best_option",
+    "expected_committed",
+    "expected_committed_chain",
+    "monotone_in_width",
+    "truncate_tree",
+    "width_gather_index",
+]
+
+CHAIN = "chain"
+OFF = "off"
+Option = int | str
+
+
+def width_gather_index(widths: Sequence[int], budget: int, device=None) -> Tensor:
+    """``[W]`` int64 column of each width's node count ``min(w - 1, budget)`` in the padded
+    cumulative sum of :func:`expected_committed`. Build it before CUDA-graph capture."""
+    return torch.tensor([min(max(int(w) - 1, 0), int(budget)) for w in widths], dtype=torch.int64, device=device)
+
+
+def expected_committed(score: Tensor, index: Tensor) -> Tensor:
+    """Expected committed tokens per request of the best-first tree truncated to each width.
+
+    Args:
+        score: ``[bs, B]`` float32 log q(prefix) of the nodes in best-first order
+            (``ddtree_utils.DDTree.score``; -inf for missing nodes).
+        index: ``[W]`` from :func:`width_gather_index` (``w - 1`` nodes, capped at B).
+
+    Returns ``[bs, W]`` float32: ``1 + sum of q(prefix) over the first w - 1 nodes`` (the bonus
+    token plus each node's chance of being accepted, its path probability when the target
+    samples like the drafter; calibrated online by :class:`AcceptCalibration`). No host sync,
+    fixed shapes.
+    """
+    bs = score.shape[0]
+    p = torch.exp(score.float())  # [bs, B], 0 for -inf
+    csum = torch.cat([p.new_zeros(bs, 1), torch.cumsum(p, dim=1)], dim=1)  # [bs, B + 1]
+    return 1.0 + csum.index_select(1, index)
+
+
+def expected_committed_chain(topk_logp: Tensor, length: int) -> Tensor:
+    """Expected committed tokens per request of DFLASH's chain: the drafter's top-1 token at
+    depths 1..length. ``topk_logp`` ``[bs, L, K]`` (rank 0 first) -> ``[bs]`` float32
+    ``1 + sum_d prod_{i<=d} q_i(top-1)``."""
+    lp = topk_logp[:, : int(length), 0].float()
+    return 1.0 + torch.exp(torch.cumsum(lp, dim=1)).sum(dim=1)
+
+
+def truncate_tree(
+    tokens: Tensor,
+    depth: Tensor,
+    next_token: Tensor,
+    next_sibling: Tensor,
+    tree_mask: Tensor,
+    width: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """A compiled best-first tree (``ddtree_utils.compile_tree`` arrays, ``[bs, N]`` and
+    ``[bs, N, N]``, root first) cut to its first ``width`` verify rows: equal to compiling the
+    tree built with budget ``width - 1``. Children and siblings are listed in verify-index order,
+    so a pointer at or past ``width`` ends its list. Views / elementwise ops only."""
+    w = int(width)
+    if not 1 <= w <= tokens.shape[1]:
+        raise ValueError(f"width must be in 1..{tokens.shape[1]}, got {w}")
+    cut = lambda x: torch.where(x[:, :w] >= w, torch.full_like(x[:, :w], -1), x[:, :w])
+    return tokens[:, :w], depth[:, :w], cut(next_token), cut(next_sibling), tree_mask[:, :w, :w]
+
+
+def monotone_in_width(expected: Mapping[Option, float]) -> dict:
+    """``expected`` with the tree widths' values made non-decreasing in the width (a running
+    maximum: a wider best-first tree contains the narrower one, so it cannot commit fewer).
+    Other options are left as they are."""
+    out = dict(expected)
+    best = -math.inf
+    for w in sorted(k for k in expected if isinstance(k, int)):
+        best = max(best, float(expected[w]))
+        out[w] = best
+    return out
+
+
+def best_option(bs: int, expected: Mapping[Option, float], cost: Mapping[Option, float]) -> Option:
+    """The option maximising ``bs * expected[o] / cost[o]`` (committed tokens per second of the
+    batch). Ties go to the cheaper option, then to the order of ``expected``."""
+    best, best_key = None, None
+    for i, (key, e) in enumerate(expected.items()):
+        c = float(cost[key])
+        if not c > 0:
+            raise ValueError(f"cost of {key!r} must be > 0, got {c}")
+        score = (int(bs) * float(e) / c, -c, -i)
+        if best is None or score > best:
+            best, best_key = score, key
+    if best_key is None:
+        raise ValueError("no option to choose from")
+    return best_key
+
+
+class AcceptCalibration:
+    """Online ratio of realised to predicted **accepted draft tokens** (committed - 1), per
+    option, with exponential forgetting.
+
+    ``ratio(o) = (R_o + w0 * pooled) / (P_o + w0)`` with ``R_o, P_o`` the decayed sums of the
+    realised and predicted accepted tokens of the rounds that ran ``o`` and ``pooled`` the same
+    ratio over all options (seeded with ``prior_ratio`` at weight ``prior_weight``): an option
+    never run borrows what the others show, one run often converges to its own ratio.
+    """
+
+    def __init__(
+        self,
+        keys: Iterable[Option],
+        prior_ratio: float = 1.0,
+        prior_weight: float = 8.0,
+        decay: float = 0.99,
+    ):
+        if not 0.0 < decay <= 1.0:
+            raise ValueError(f"decay must be in (0, 1], got {decay}")
+        if prior_ratio < 0 or prior_weight <= 0:
+            raise ValueError("prior_ratio must be >= 0 and prior_weight > 0")
+        self.keys = list(keys)
+        self.prior_ratio, self.prior_weight, self.decay = float(prior_ratio), float(prior_weight), float(decay)
+        self.realised = {k: 0.0 for k in self.keys}
+        self.predicted = {k: 0.0 for k in self.keys}
+        self.rounds = {k: 0 for k in self.keys}
+
+    def update(self, key: Option, predicted: float, realised: float) -> None:
+        """One round that ran ``key``: the batch's predicted and realised accepted draft tokens
+        (sums over its requests). Every option's sums decay by one step."""
+        if key not in self.realised:
+            raise KeyError(f"unknown option {key!r}")
+        if predicted < 0 or realised < 0:
+            raise ValueError(f"accepted tokens must be >= 0, got {predicted}, {realised}")
+        for k in self.keys:
+            self.realised[k] *= self.decay
+            self.predicted[k] *= self.decay
+        self.realised[key] += float(realised)
+        self.predicted[key] += float(predicted)
+        self.rounds[key] += 1
+
+    def pooled(self) -> float:
+        w0 = self.prior_weight
+        return (sum(self.realised.values()) + w0 * self.prior_ratio) / (sum(self.predicted.values()) + w0)
+
+    def ratio(self, key: Option) -> float:
+        w0 = self.prior_weight
+        return (self.realised[key] + w0 * self.pooled()) / (self.predicted[key] + w0)
+
+    def calibrate(self, key: Option, predicted_committed: float) -> float:
+        """Calibrated expected committed tokens per request: ``1 + ratio * (predicted - 1)``."""
+        return 1.0 + self.ratio(key) * max(0.0, float(predicted_committed) - 1.0)
+
+    def snapshot(self) -> dict:
+        return {
+            "pooled_ratio": round(self.pooled(), 4),
+            "ratio": {str(k): round(self.ratio(k), 4) for k in self.keys},
+            "rounds": {str(k): self.rounds[k] for k in self.keys},
+        }
+
+
+def _interp(x: float, xs: Sequence[float], ys: Sequence[float]) -> float:
+    """Piecewise linear through (xs, ys) (xs ascending). Below the first point: its value;
+    past the last: the last segment extended (never below the last value); one point:
+    proportional to ``x`` above it."""
+    if len(xs) == 1:
+        return ys[0] * max(1.0, x / xs[0]) if x > xs[0] else ys[0]
+    if x <= xs[0]:
+        return ys[0]
+    for i in range(1, len(xs)):
+        if x <= xs[i]:
+            t = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+            return ys[i - 1] + t * (ys[i] - ys[i - 1])
+    slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+    return max(ys[-1] + slope * (x - xs[-1]), ys[-1])
+
+
+class CostTable:
+    """Round seconds per (batch bucket x option).
+
+    ``seconds[i][j]`` is the cost of a round of ``buckets[i]`` requests with ``options[j]``, or
+    None while unmeasured. Filled at start-up by :meth:`measure` (a timing function per cell)
+    and/or online by :meth:`observe` (an exponential moving average of measured rounds).
+    A batch of ``bs`` requests costs what the smallest captured graph size ``>= bs`` costs (its
+    graph replays with padding; ``graph_sizes`` default: the buckets), interpolated linearly in
+    the batch size between the measured buckets of the option, and extrapolated linearly from
+    the two largest above the last one (batches run eagerly there).
+    """
+
+    def __init__(
+        self,
+        buckets: Sequence[int],
+        options: Sequence[Option],
+        seconds: Sequence[Sequence[float | None]] | None = None,
+        graph_sizes: Sequence[int] | None = None,
+        decay: float = 0.9,
+    ):
+        self.buckets = [int(b) for b in buckets]
+        self.options = list(options)
+        if not self.buckets or self.buckets != sorted(set(self.buckets)) or self.buckets[0] < 1:
+            raise ValueError(f"buckets must be ascending distinct sizes >= 1, got {list(buckets)}")
+        if seconds is None:
+            seconds = [[None] * len(self.options) for _ in self.buckets]
+        if len(seconds) != len(self.buckets) or any(len(r) != len(self.options) for r in seconds):
+            raise ValueError("seconds must be [len(buckets)][len(options)]")
+        self.seconds = [[None if s is None else self._check(s) for s in row] for row in seconds]
+        self.graph_sizes = sorted(int(g) for g in (graph_sizes or self.buckets))
+        self.decay = float(decay)
+
+    @staticmethod
+    def _check(s) -> float:
+        s = float(s)
+        if not s > 0 or not math.isfinite(s):
+            raise ValueError(f"every cost must be a finite number of seconds > 0, got {s}")
+        return s
+
+    @classmethod
+    def measure(
+        cls,
+        buckets: Sequence[int],
+        options: Sequence[Option],
+        timing: Callable[[int, Option], float],
+        graph_sizes: Sequence[int] | None = None,
+    ) -> CostTable:
+        """Fill the table with ``timing(bs, option)`` (seconds of one round) for every cell."""
+        return cls(buckets, options, [[timing(int(b), o) for o in options] for b in buckets], graph_sizes)
+
+    def padded(self, bs: int) -> int:
+        for g in self.graph_sizes:
+            if g >= bs:
+                return g
+        return int(bs)
+
+    def bucket_index(self, bs: int) -> int:
+        """The bucket a round of ``bs`` requests is recorded in: the first >= its padded size,
+        else the last."""
+        x = self.padded(int(bs))
+        for i, b in enumerate(self.buckets):
+            if b >= x:
+                return i
+        return len(self.buckets) - 1
+
+    def observe(self, bs: int, option: Option, seconds: float) -> None:
+        """One measured round (moving average per cell, the first measurement as it is)."""
+        i, j = self.bucket_index(bs), self.options.index(option)
+        s = self._check(seconds)
+        old = self.seconds[i][j]
+        self.seconds[i][j] = s if old is None else self.decay * old + (1.0 - self.decay) * s
+
+    def missing(self, bs: int) -> list:
+        """Options without a measurement in the bucket of ``bs`` (in option order)."""
+        i = self.bucket_index(bs)
+        return [o for j, o in enumerate(self.options) if self.seconds[i][j] is None]
+
+    def cost(self, bs: int, option: Option) -> float | None:
+        """Seconds of a round of ``bs`` requests with ``option``; None if never measured."""
+        j = self.options.index(option)
+        pts = [(b, row[j]) for b, row in zip(self.buckets, self.seconds) if row[j] is not None]
+        if not pts:
+            return None
+        return _interp(float(self.padded(int(bs))), [b for b, _ in pts], [s for _, s in pts])
+
+    def costs(self, bs: int) -> dict:
+        return {o: c for o in self.options if (c := self.cost(bs, o)) is not None}
+
+    def as_dict(self) -> dict:
+        return {
+            "buckets": list(self.buckets),
+            "options": [str(o) for o in self.options],
+            "ms": [[None if s is None else round(1e3 * s, 4) for s in row] for row in self.seconds],
+        }
+
+
+class BudgetController:
+    """The round's option for ``--speculative-ddtree-budget auto``.
+
+    Per round the worker calls :meth:`choose` with the batch size (host value) and, once the
+    round's accept lengths are on the host (SGLang's ``on_verify_complete_cpu``, one round
+    later), :meth:`observe` with the option that ran, the batch's predicted expected committed
+    tokens of every option (sums over its requests, copied to the host with the round's results)
+    and the realised committed tokens. The choice uses the latest predictions, so it lags one
+    round; nothing here waits on the device.
+
+    Warm-up: while an option has no measured cost in the batch's bucket (a table filled online),
+    the choice is that option, so every cell the batch sizes reach gets measured.
+
+    Exploration: every ``explore_every``-th choice takes the neighbour of the best width (the
+    next wider, then the next narrower, alternating; the narrowest width when chain or off is
+    best, so that speculation resumes when drafts start landing again) so that widths near the best keep their
+    calibration current; deterministic, so every TP rank makes the same choice.
+    """
+
+    def __init__(
+        self,
+        options: Sequence[Option],
+        table: CostTable,
+        calibration: AcceptCalibration | None = None,
+        explore_every: int = 64,
+        initial: Mapping[Option, float] | None = None,
+    ):
+        self.options = list(options)
+        if set(self.options) - set(table.options):
+            raise ValueError(f"no cost for {sorted(map(str, set(self.options) - set(table.options)))}")
+        self.table = table
+        self.calibration = calibration or AcceptCalibration(self.options)
+        self.explore_every = int(explore_every)
+        self.widths = sorted(o for o in self.options if isinstance(o, int))
+        # Latest per-request predicted committed tokens; before the first round: a chain-like
+        # guess (1 + half the nodes, capped at 4) that makes no width look free.
+        self.predicted = {
+            o: (1.0 if o == OFF else min(4.0, 1.0 + 0.5 * (o - 1)) if isinstance(o, int) else 2.0)
+            for o in self.options
+        }
+        if initial:
+            self.predicted.update({k: float(v) for k, v in initial.items() if k in self.predicted})
+        self.choices = 0
+        self.history = {o: 0 for o in self.options}
+        self.last = None
+
+    def expected(self) -> dict:
+        """Calibrated expected committed tokens per request of every option."""
+        out = {}
+        for o in self.options:
+            out[o] = 1.0 if o == OFF else self.calibration.calibrate(o, self.predicted[o])
+        return monotone_in_width(out)
+
+    def choose(self, bs: int) -> Option:
+        self.choices += 1
+        missing = [o for o in self.table.missing(bs) if o in self.history]
+        if missing:  # warm-up: run every option once in this batch bucket to measure it
+            best = missing[0]
+            self.history[best] += 1
+            self.last = best
+            return best
+        costs = self.table.costs(bs)
+        best = best_option(bs, {o: e for o, e in self.expected().items() if o in costs}, costs)
+        if self.explore_every > 0 and self.choices % self.explore_every == 0 and self.widths:
+            if not isinstance(best, int):  # chain / off: keep the narrowest tree's data current
+                best = self.widths[0]
+            else:
+                i = self.widths.index(best)
+                up = (self.choices // self.explore_every) % 2 == 1
+                j = i + 1 if (up and i + 1 < len(self.widths)) or i == 0 else i - 1
+                if 0 <= j < len(self.widths):
+                    best = self.widths[j]
+        self.history[best] += 1
+        self.last = best
+        return best
+
+    def observe(
+        self, option: Option, predicted_sums: Mapping[Option, float], realised_sum: float, requests: int
+    ) -> None:
+        """One finished round: ``predicted_sums`` per option (sums over the batch's requests of
+        the expected committed tokens), ``realised_sum`` committed tokens of the batch."""
+        n = int(requests)
+        if n <= 0:
+            return
+        for o, s in predicted_sums.items():
+            if o in self.predicted and o != OFF:
+                self.predicted[o] = float(s) / n
+        if option != OFF:
+            pred = float(predicted_sums.get(option, self.predicted[option] * n))
+            self.calibration.update(option, max(0.0, pred - n), max(0.0, float(realised_sum) - n))
+
+    def snapshot(self) -> dict:
+        """What ``/get_server_info`` and the log show: the cost table, the calibration, the
+        current expected tokens and how often each option ran."""
+        return {
+            "options": [str(o) for o in self.options],
+            "cost_table": self.table.as_dict(),
+            "calibration": self.calibration.snapshot(),
+            "expected_committed": {str(k): round(v, 4) for k, v in self.expected().items()},
+            "chosen": {str(k): v for k, v in self.history.items()},
+            "last": None if self.last is None else str(self.last),
+        }

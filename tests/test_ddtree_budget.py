@@ -1,0 +1,520 @@
+"""ddtree_budget: the controller of ``--speculative-ddtree-budget auto`` (expected committed
+tokens from the tree, online calibration, cost table, choice), and DDTree rounds whose width
+changes between rounds against the plain target (greedy tokens, sampled distribution).
+
+The target and the drafter of the round tests are small lookup tables (a next-token table on
+the last two tokens; a drafter that sees the target's greedy chain through noise), computed in
+the test; the cost tables are synthetic cost models (no GPU here), as each test says."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy.stats import chisquare
+
+import ddtree_budget as db
+import ddtree_serving as ds
+import ddtree_utils as du
+
+# ------------------------------------------------------------------------------------------
+# Expected committed tokens and truncation
+
+
+def _tree(seed: int, bs: int = 4, depth: int = 4, vocab: int = 12, k: int = 4, budget: int = 40):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(bs, depth, vocab, generator=g) * 2.0
+    logp, ids = du.draft_topk_logprobs(logits, k, backend="torch")
+    return logp, ids, du.build_tree(logp, ids, budget, backend="torch")
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_expected_committed_is_one_plus_the_path_probabilities_of_the_first_nodes(seed):
+    logp, ids, tree = _tree(seed)
+    budget = tree.score.shape[1]
+    widths = [1, 2, 3, 8, 16, 41, 64]  # 64 is past the tree: every node counts
+    got = db.expected_committed(tree.score, db.width_gather_index(widths, budget))
+    assert got.shape == (tree.score.shape[0], len(widths))
+    for b in range(tree.score.shape[0]):
+        for j, w in enumerate(widths):
+            nodes = min(w - 1, budget)
+            want = 1.0 + sum(math.exp(float(s)) for s in tree.score[b, :nodes] if s > -math.inf)
+            assert got[b, j].item() == pytest.approx(want, rel=1e-5)
+            # the first w - 1 nodes are the tree of budget w - 1 (so one tree prices every width)
+            if 1 <= nodes < budget:
+                small = du.build_tree(logp, ids, nodes, backend="torch")
+                assert torch.equal(small.score[b], tree.score[b, :nodes])
+                assert torch.equal(small.tokens[b], tree.tokens[b, :nodes])
+    assert bool((got[:, 1:] >= got[:, :-1]).all())  # monotone in the width
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_truncate_tree_equals_compiling_the_smaller_tree(seed):
+    logp, ids, tree = _tree(seed, budget=30)
+    bs, depth = logp.shape[0], logp.shape[1]
+    bonus = torch.arange(bs)
+    seq = torch.zeros(bs, dtype=torch.int64)
+    full = du.compile_tree(tree, bonus, seq, build_custom_mask=False, max_depth=depth, backend="torch")
+    n = tree.tokens.shape[1] + 1
+    for w in (1, 2, 5, 9, 17, n):
+        got = db.truncate_tree(
+            full.draft_tokens.view(bs, n), full.depth, full.retrieve_next_token,
+            full.retrieve_next_sibling, full.tree_mask, w,
+        )
+        small = tree if w == n else du.build_tree(logp, ids, max(w - 1, 1), backend="torch")
+        ct = du.compile_tree(small, bonus, seq, build_custom_mask=False, max_depth=depth, backend="torch")
+        if w == 1:  # the root alone (the "off" width): no children
+            assert got[0].tolist() == bonus.view(bs, 1).tolist() and bool((got[2] == -1).all())
+            continue
+        want = (ct.draft_tokens.view(bs, w), ct.depth, ct.retrieve_next_token, ct.retrieve_next_sibling, ct.tree_mask)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="width must be in"):
+        db.truncate_tree(full.draft_tokens.view(bs, n), full.depth, full.retrieve_next_token,
+                         full.retrieve_next_sibling, full.tree_mask, n + 1)
+
+
+@pytest.mark.stat
+def test_expected_committed_matches_the_walk_when_the_target_samples_like_the_drafter():
+    """With the target's distribution at depth d equal to the drafter's (path-independent, as a
+    DFlash block's marginals are), the mean committed tokens of the sampling walk over 20000
+    draws equal the estimate at every width (3 standard errors)."""
+    g = torch.Generator().manual_seed(11)
+    depth, vocab, k, budget, reps = 3, 6, 3, 20, 20000
+    q = torch.softmax(torch.randn(depth, vocab, generator=g) * 1.5, -1)
+    logp, ids = du.draft_topk_logprobs(q.log().unsqueeze(0), k, backend="torch")
+    tree = du.build_tree(logp, ids, budget, backend="torch")
+    n = budget + 1
+    ct = du.compile_tree(tree, torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
+                         build_custom_mask=False, max_depth=depth, backend="torch")
+    widths = [2, 4, 8, 16, n]
+    est = db.expected_committed(tree.score, db.width_gather_index(widths, budget))[0]
+    for j, w in enumerate(widths):
+        toks, dep, nt, ns, _ = db.truncate_tree(ct.draft_tokens.view(1, n), ct.depth, ct.retrieve_next_token,
+                                                ct.retrieve_next_sibling, ct.tree_mask, w)
+        # one draw per node from the target at the node's depth (the next position's marginal)
+        probs = q[dep.clamp_max(depth - 1)].expand(reps, w, vocab).reshape(-1, vocab)
+        draws = torch.multinomial(probs, 1, generator=g).view(reps, w)
+        _, acc_len, _ = du.verify_greedy_reference(toks.expand(reps, w), nt.expand(reps, w),
+                                                   ns.expand(reps, w), draws, depth)
+        committed = acc_len.double() + 1
+        se = committed.std().item() / math.sqrt(reps)
+        assert abs(committed.mean().item() - est[j].item()) < 3 * se + 1e-6, (w, committed.mean(), est[j])
+
+
+def test_expected_committed_chain_is_the_top1_path():
+    logp, _, _ = _tree(0, depth=5)
+    got = db.expected_committed_chain(logp, 4)
+    for b in range(logp.shape[0]):
+        want, acc = 1.0, 0.0
+        for d in range(4):
+            acc += float(logp[b, d, 0])
+            want += math.exp(acc)
+        assert got[b].item() == pytest.approx(want, rel=1e-5)
+
+
+# ------------------------------------------------------------------------------------------
+# Flag value and allowed widths
+
+
+def test_parse_budget():
+    assert ds.parse_ddtree_budget(None) is None
+    assert ds.parse_ddtree_budget(" Auto ") == "auto" and ds.parse_ddtree_budget("63") == 63
+    assert ds.parse_ddtree_budget(7) == 7
+    for bad in ("63x", "", "auto1", True):
+        with pytest.raises(ValueError, match="integer or 'auto'"):
+            ds.parse_ddtree_budget(bad)
+
+
+@given(
+    max_batch=st.integers(1, 600),
+    capacity=st.integers(1, 2000),
+    widths=st.lists(st.integers(-4, 2048), min_size=1, max_size=8),
+)
+@settings(max_examples=200, deadline=None)
+def test_auto_widths_are_exactly_those_within_the_memory_rule(max_batch, capacity, widths):
+    want = sorted({w for w in widths if 2 <= w <= 1024 and w - 1 <= capacity and w * max_batch <= 4096})
+    if not want:
+        with pytest.raises(ValueError, match="no verify width"):
+            ds.auto_verify_widths(max_batch, capacity, widths)
+    else:
+        assert list(ds.auto_verify_widths(max_batch, capacity, widths)) == want
+
+
+def test_default_widths_under_the_memory_rule():
+    assert ds.auto_verify_widths(16, 10**6) == (8, 16, 32, 64, 128, 256)
+    assert ds.auto_verify_widths(48, 10**6) == (8, 16, 32, 64)  # 48 * 128 > 4096
+    assert ds.auto_verify_widths(16, 40) == (8, 16, 32)  # a tree of 40 nodes: widths up to 41
+
+
+# ------------------------------------------------------------------------------------------
+# The choice
+
+_options = st.sampled_from([8, 16, 32, 64, 128, 256, db.CHAIN, db.OFF])
+
+
+@given(
+    bs=st.integers(1, 64),
+    table=st.dictionaries(_options, st.tuples(st.floats(1.0, 20.0), st.floats(1e-4, 1.0)), min_size=1),
+)
+@settings(max_examples=300, deadline=None)
+def test_best_option_is_the_brute_force_optimum(bs, table):
+    expected = {k: e for k, (e, _) in table.items()}
+    cost = {k: c for k, (_, c) in table.items()}
+    got = db.best_option(bs, expected, cost)
+    best = max(bs * expected[k] / cost[k] for k in table)
+    assert bs * expected[got] / cost[got] == best
+    # among equally good options the cheapest
+    assert cost[got] == min(cost[k] for k in table if bs * expected[k] / cost[k] == best)
+
+
+def _synthetic_cost(a0: float, a1: float, c: float):
+    """Synthetic round-cost model (no GPU here): fixed launch cost, a per-request cost and a cost
+    per verified token. "off" verifies 1 token without the draft (a0 / 2), "chain" is width 16."""
+
+    def timing(bs: int, option) -> float:
+        width = 1 if option == db.OFF else 16 if option == db.CHAIN else option
+        return (a0 / 2 if option == db.OFF else a0) + bs * (a1 + c * width)
+
+    return timing
+
+
+@given(
+    a0=st.floats(1e-3, 2e-2), a1=st.floats(1e-5, 1e-3), c=st.floats(1e-7, 1e-5),
+    pred=st.lists(st.floats(1.0, 8.0), min_size=6, max_size=6),
+    chain=st.floats(1.0, 6.0),
+    bs=st.integers(1, 64),
+)
+@settings(max_examples=200, deadline=None)
+def test_controller_choice_is_optimal_for_its_table(a0, a1, c, pred, chain, bs):
+    """The controller's choice (no exploration) is the brute-force best of bs * E / cost over
+    the synthetic table it was given, E being its calibrated, width-monotone expectation."""
+    widths = [8, 16, 32, 64, 128, 256]
+    options = [*widths, db.CHAIN, db.OFF]
+    table = db.CostTable.measure([1, 2, 4, 8, 16, 32, 64], options, _synthetic_cost(a0, a1, c))
+    ctl = db.BudgetController(options, table, explore_every=0)
+    ctl.observe(16, {**dict(zip(widths, (p * bs for p in pred))), db.CHAIN: chain * bs}, 3.0 * bs, bs)
+    got = ctl.choose(bs)
+    exp = ctl.expected()
+    assert all(exp[a] <= exp[b] for a, b in itertools.pairwise(widths))
+    assert exp[db.OFF] == 1.0
+    scores = {o: bs * exp[o] / table.cost(bs, o) for o in options}
+    assert scores[got] == pytest.approx(max(scores.values()), rel=1e-12)
+
+
+@given(
+    a0=st.floats(1e-3, 2e-2), a1=st.floats(0, 1e-3), c=st.floats(1e-7, 1e-5),
+    gains=st.lists(st.floats(0.0, 2.0), min_size=6, max_size=6),
+)
+@settings(max_examples=200, deadline=None)
+def test_chosen_width_never_grows_with_the_batch(a0, a1, c, gains):
+    """Monotonicity: with cost a0 + bs * (a1 + c * width) the best width is non-increasing in the
+    batch size (a wider tree's extra tokens cost more per round the more requests pay for them)."""
+    widths = [8, 16, 32, 64, 128, 256]
+    # non-decreasing expected committed tokens, as a best-first tree gives
+    expected = {w: e for w, e in zip(widths, list(itertools.accumulate(gains, initial=1.0))[1:])}
+    timing = _synthetic_cost(a0, a1, c)
+    chosen = [db.best_option(bs, expected, {w: timing(bs, w) for w in widths}) for bs in range(1, 65)]
+    assert all(a >= b for a, b in itertools.pairwise(chosen)), chosen
+
+
+def test_flat_expectation_picks_the_cheapest_and_off_wins_when_drafts_never_land():
+    widths = [8, 16, 32]
+    table = db.CostTable.measure([1, 8], [*widths, db.OFF], _synthetic_cost(5e-3, 1e-4, 1e-6))
+    ctl = db.BudgetController([*widths, db.OFF], table, explore_every=0)
+    for _ in range(400):  # predictions say 3 tokens, the rounds commit only the bonus
+        ctl.observe(ctl.choose(8), {8: 24.0, 16: 24.0, 32: 24.0}, 8.0, 8)
+    assert ctl.choose(8) == db.OFF
+    assert ctl.calibration.ratio(8) < 0.5 and ctl.history[db.OFF] > 350
+    # with exploration, off still tries the narrowest width, and comes back when drafts land
+    ctl.explore_every = 8
+    picks = []
+    for _ in range(400):
+        w = ctl.choose(8)
+        picks.append(w)
+        ctl.observe(w, {8: 24.0, 16: 24.0, 32: 24.0}, 24.0 if w != db.OFF else 8.0, 8)
+    assert 8 in picks[:16] and picks[-1] != db.OFF
+
+
+# ------------------------------------------------------------------------------------------
+# Calibration and the cost table
+
+
+@given(ratio=st.floats(0.05, 1.5), seed=st.integers(0, 2**16))
+@settings(max_examples=40, deadline=None)
+def test_calibration_converges_to_the_true_ratio(ratio, seed):
+    """Synthetic rounds whose realised accepted tokens are ``ratio`` x the prediction plus
+    zero-mean noise: after 1500 rounds the ratio is within 5% (prior 1.0, decay 0.99)."""
+    g = torch.Generator().manual_seed(seed)
+    cal = db.AcceptCalibration([16, 64], prior_ratio=1.0)
+    for _ in range(1500):
+        pred = float(torch.rand((), generator=g)) * 40 + 1
+        noise = (float(torch.rand((), generator=g)) - 0.5) * 0.4 * ratio * pred
+        cal.update(16, pred, max(0.0, ratio * pred + noise))
+    assert cal.ratio(16) == pytest.approx(ratio, rel=0.05)
+    # a width never run borrows the pooled ratio
+    assert cal.ratio(64) == pytest.approx(cal.pooled(), rel=1e-9)
+    # the pooled prior (weight 8 tokens at ratio 1) is not forgotten: about 0.004 off here
+    assert cal.pooled() == pytest.approx(ratio, rel=0.05, abs=0.01)
+
+
+def test_calibration_refuses_bad_input():
+    cal = db.AcceptCalibration([8])
+    with pytest.raises(KeyError):
+        cal.update(16, 1.0, 1.0)
+    with pytest.raises(ValueError):
+        cal.update(8, -1.0, 1.0)
+    with pytest.raises(ValueError):
+        db.AcceptCalibration([8], decay=0.0)
+
+
+def test_cost_table_interpolates_unseen_buckets_and_pads_to_the_graph_size():
+    """A synthetic linear cost model measured at a few buckets: any batch size costs what its
+    padded graph size costs, interpolated exactly (the model is linear), extrapolated past the
+    last bucket."""
+    timing = _synthetic_cost(4e-3, 2e-4, 3e-6)
+    graphs = [1, 2, 4, 8, 12, 16, 24, 32, 48, 64]
+    table = db.CostTable.measure([1, 4, 16, 64], [8, 64, db.OFF], timing, graph_sizes=graphs)
+    for bs in range(1, 100):
+        padded = next((s for s in graphs if s >= bs), bs)
+        for o in (8, 64, db.OFF):
+            assert table.cost(bs, o) == pytest.approx(timing(padded, o), rel=1e-9)
+    assert table.as_dict()["ms"][0][0] == pytest.approx(1e3 * timing(1, 8), abs=1e-4)
+    with pytest.raises(ValueError):
+        db.CostTable([4, 1], [8], [[1.0], [1.0]])
+    with pytest.raises(ValueError):
+        db.CostTable([1], [8], [[0.0]])
+
+
+def test_online_table_warms_up_every_option_then_chooses_by_the_measurements():
+    """A table filled online (synthetic round times, no GPU here): the controller first runs each
+    option once per batch bucket, records the measured seconds, then picks the best of them."""
+    widths = [8, 16, 32]
+    timing = _synthetic_cost(5e-3, 1e-4, 2e-5)
+    table = db.CostTable([1, 8, 32], widths, graph_sizes=[1, 2, 4, 8, 16, 32])
+    assert table.cost(4, 8) is None and table.missing(4) == widths
+    ctl = db.BudgetController(widths, table, explore_every=0)
+    first = []
+    for _ in range(3):
+        w = ctl.choose(4)
+        first.append(w)
+        table.observe(4, w, timing(8, w))  # bs 4 replays the graph of 8
+        ctl.observe(w, {8: 4 * 2.0, 16: 4 * 2.5, 32: 4 * 2.6}, 4 * 2.0, 4)
+    assert first == widths and table.missing(4) == [] and table.missing(1) == widths
+    assert ctl.choose(4) == db.best_option(4, ctl.expected(), {w: timing(8, w) for w in widths})
+    table.observe(5, 8, 2 * timing(8, 8))  # moving average of the cell
+    assert table.cost(8, 8) == pytest.approx(0.9 * timing(8, 8) + 0.1 * 2 * timing(8, 8))
+    assert table.as_dict()["ms"][0] == [None, None, None]
+
+
+def test_exploration_visits_the_neighbours_and_snapshot_reports():
+    widths = [8, 16, 32, 64]
+    table = db.CostTable.measure([1, 16], widths, _synthetic_cost(5e-3, 1e-4, 1e-6))
+    ctl = db.BudgetController(widths, table, explore_every=4)
+    picks = [ctl.choose(1) for _ in range(16)]
+    base = db.best_option(1, ctl.expected(), table.costs(1))
+    assert sum(p != base for p in picks) == 4  # every 4th round a neighbour
+    snap = ctl.snapshot()
+    assert snap["cost_table"]["options"] == ["8", "16", "32", "64"] and sum(snap["chosen"].values()) == 16
+    assert set(snap["calibration"]["ratio"]) == {"8", "16", "32", "64"}
+
+
+# ------------------------------------------------------------------------------------------
+# Rounds whose width changes: exactness against the plain target
+
+
+def _tables(seed: int, vocab: int, scale: float):
+    g = torch.Generator().manual_seed(seed)
+    target = torch.randn(vocab, vocab, vocab, generator=g) * scale  # logits of x_t | x_{t-2}, x_{t-1}
+    noise = torch.randn(vocab, 16, vocab, generator=g)
+    return target, noise
+
+
+def _draft_logits(target, noise, prev2, root, depth):
+    """[bs, depth, V]: the drafter sees the target's greedy chain from (prev2, root) through noise
+    (path-independent per position, like a DFlash block)."""
+    out, a, b = [], prev2, root
+    for d in range(depth):
+        logits = target[a, b]
+        out.append(logits * 0.8 + noise[root, d] * 0.6)
+        a, b = b, logits.argmax(-1)
+    return torch.stack(out, 1)
+
+
+def _round(target, noise, prev2, root, widths_round, budget, depth, k, gen):
+    """One DDTree round at width ``widths_round`` (tree built at ``budget``, truncated), the
+    target predicting at every node (argmax, or one draw when ``gen`` is given). Returns the
+    emitted tokens per request (accepted drafts, then the bonus) and the tree's estimate."""
+    bs = root.shape[0]
+    logp, ids = du.draft_topk_logprobs(_draft_logits(target, noise, prev2, root, depth), k, backend="torch")
+    tree = du.build_tree(logp, ids, budget, backend="torch")
+    n = budget + 1
+    ct = du.compile_tree(tree, root, torch.zeros(bs, dtype=torch.int64), build_custom_mask=False,
+                         max_depth=depth, backend="torch")
+    toks, _, nt, ns, _ = db.truncate_tree(ct.draft_tokens.view(bs, n), ct.depth, ct.retrieve_next_token,
+                                          ct.retrieve_next_sibling, ct.tree_mask, widths_round)
+    w = toks.shape[1]
+    parents = ct.parents[:, :w]
+    par_tok = torch.where(parents >= 0, toks.gather(1, parents.clamp_min(0)), prev2.view(bs, 1))
+    logits = target[par_tok, toks]  # [bs, w, V]: the target after each node
+    if gen is None:
+        predict = logits.argmax(-1)
+    else:
+        predict = torch.multinomial(torch.softmax(logits, -1).view(-1, logits.shape[-1]), 1, generator=gen).view(bs, w)
+    index = torch.arange(bs * w).view(bs, w)
+    acc_idx, acc_len, bonus = du.accept_tree_greedy(toks, predict, index, nt, ns, depth)
+    out, commit, _ = du.tree_commit_layout(acc_idx, acc_len, bonus, toks, depth + 1)
+    emitted = [out[b, : int(commit[b])].tolist() for b in range(bs)]
+    est = db.expected_committed(tree.score, db.width_gather_index([widths_round], budget))[:, 0]
+    return emitted, est
+
+
+def test_greedy_rounds_with_changing_width_give_the_targets_tokens():
+    """8 requests, 7 rounds whose verify width changes every round (64, 8, 2, 33, 1 = no draft
+    nodes, 17, 64) give token for token the target's own greedy continuation (computed here)."""
+    vocab, depth, k, budget = 9, 4, 3, 63
+    target, noise = _tables(1, vocab, 2.0)
+    g = torch.Generator().manual_seed(2)
+    prev2, root = torch.randint(0, vocab, (8,), generator=g), torch.randint(0, vocab, (8,), generator=g)
+    seqs = [[int(a), int(b)] for a, b in zip(prev2, root)]
+    accepted = 0
+    for w in (64, 8, 2, 33, 1, 17, 64):
+        emitted, _ = _round(target, noise, prev2, root, w, budget, depth, k, None)
+        for b, toks in enumerate(emitted):
+            seqs[b] += toks
+            accepted += len(toks) - 1
+        prev2 = torch.tensor([s[-2] for s in seqs])
+        root = torch.tensor([s[-1] for s in seqs])
+    assert accepted > 8  # the drafts did land (not a bonus-only run)
+    for s in seqs:
+        want = s[:2]
+        while len(want) < len(s):
+            want.append(int(target[want[-2], want[-1]].argmax()))
+        assert s == want
+
+
+def test_controller_driven_rounds_stay_exact_and_move_the_width():
+    """The controller picks each round's width (synthetic cost table, lag one round: it sees the
+    previous round's estimate and accepts); the output stays the target's greedy tokens and
+    more than one width runs."""
+    vocab, depth, k, budget = 9, 4, 3, 63
+    target, noise = _tables(3, vocab, 2.0)
+    widths = [2, 8, 16, 32, 64]
+    # synthetic cost model: verify tokens are expensive, so the best width depends on the estimate
+    table = db.CostTable.measure([1, 4, 8], widths, _synthetic_cost(1e-3, 1e-4, 2e-4))
+    ctl = db.BudgetController(widths, table, explore_every=3)
+    g = torch.Generator().manual_seed(4)
+    prev2, root = torch.randint(0, vocab, (4,), generator=g), torch.randint(0, vocab, (4,), generator=g)
+    seqs = [[int(a), int(b)] for a, b in zip(prev2, root)]
+    idx = db.width_gather_index(widths, budget)
+    ran = []
+    for _ in range(12):
+        w = ctl.choose(len(seqs))
+        ran.append(w)
+        emitted, _ = _round(target, noise, prev2, root, w, budget, depth, k, None)
+        # the estimate of every width from this round's tree (the worker's D2H with the results)
+        logp, ids = du.draft_topk_logprobs(_draft_logits(target, noise, prev2, root, depth), k, backend="torch")
+        sums = db.expected_committed(du.build_tree(logp, ids, budget, backend="torch").score, idx).sum(0)
+        ctl.observe(w, dict(zip(widths, sums.tolist())), sum(len(t) for t in emitted), len(seqs))
+        for b, toks in enumerate(emitted):
+            seqs[b] += toks
+        prev2 = torch.tensor([s[-2] for s in seqs])
+        root = torch.tensor([s[-1] for s in seqs])
+    assert len(set(ran)) > 1, ran
+    for s in seqs:
+        want = s[:2]
+        while len(want) < len(s):
+            want.append(int(target[want[-2], want[-1]].argmax()))
+        assert s == want
+
+
+@pytest.mark.stat
+def test_sampled_rounds_with_changing_width_draw_the_targets_distribution():
+    """20000 requests from one prompt, rounds at widths 13, 3, 7 (depth 2: each round commits
+    1-3 tokens, so the first three tokens span width changes): their joint distribution is the
+    target's p(t1) p(t2 | t1) p(t3 | t1, t2), computed exactly here (chi-square, fixed seed)."""
+    vocab, depth, k, budget, reps = 4, 2, 3, 12, 20000
+    target, noise = _tables(5, vocab, 0.8)
+    gen = torch.Generator().manual_seed(6)
+    p2, r0 = 1, 2
+    prev2 = torch.full((reps,), p2, dtype=torch.int64)
+    root = torch.full((reps,), r0, dtype=torch.int64)
+    seqs = [[] for _ in range(reps)]
+    crossed = 0
+    for w in (13, 3, 7):
+        emitted, _ = _round(target, noise, prev2, root, w, budget, depth, k, gen)
+        for b, toks in enumerate(emitted):
+            crossed += w != 13 and len(seqs[b]) < 3
+            seqs[b] += toks
+        last2 = [([p2, r0] + s)[-2:] for s in seqs]
+        prev2 = torch.tensor([a for a, _ in last2])
+        root = torch.tensor([b for _, b in last2])
+    assert all(len(s) >= 3 for s in seqs) and crossed > reps // 10  # later widths emit some of them
+    counts = torch.zeros(vocab**3, dtype=torch.float64)
+    for s in seqs:
+        counts[s[0] * vocab * vocab + s[1] * vocab + s[2]] += 1
+    p = lambda a, b: torch.softmax(target[a, b].double(), -1)
+    want = torch.zeros(vocab**3, dtype=torch.float64)
+    for t1, t2, t3 in itertools.product(range(vocab), repeat=3):
+        want[t1 * vocab * vocab + t2 * vocab + t3] = p(p2, r0)[t1] * p(r0, t1)[t2] * p(t1, t2)[t3]
+    assert chisquare(counts.numpy(), (want * reps).numpy()).pvalue > 1e-3
+    # power: the drafter-free first round's distribution with t3 from the wrong context is rejected
+    wrong = torch.zeros_like(want)
+    for t1, t2, t3 in itertools.product(range(vocab), repeat=3):
+        wrong[t1 * vocab * vocab + t2 * vocab + t3] = p(p2, r0)[t1] * p(r0, t1)[t2] * p(r0, t2)[t3]
+    assert chisquare(counts.numpy(), (wrong / wrong.sum() * reps).numpy()).pvalue < 1e-3
+
+
+# ------------------------------------------------------------------------------------------
+# The shared server-args rule with auto
+
+
+def _args(**kw):
+    from types import SimpleNamespace
+
+    base = {"speculative_num_draft_tokens": None, "speculative_ddtree_budget": None,
+            "speculative_ddtree_topk_cap": None, "speculative_num_steps": None, "speculative_eagle_topk": None,
+            "speculative_dflash_block_size": None, "enable_deterministic_inference": False,
+            "max_running_requests": None}
+    base.update(kw)
+    return SimpleNamespace(**base)
+
+
+def _dflash(args):
+    """Stand-in for a pin's DFLASH handling (the pins' own run in tests/sglang*/): block 16 and
+    DFLASH's running-request default."""
+    args.speculative_num_draft_tokens = 16
+    args.max_running_requests = args.max_running_requests or 48
+
+
+@pytest.mark.parametrize(("max_batch", "cap", "widths"), [
+    (16, None, [8, 16, 32, 64, 128, 256]), (48, None, [8, 16, 32, 64]), (512, None, [8]), (4, 2, [8, 16, 32, 64, 128, 256]), (4, 1, [8, 16]),
+])
+def test_resolve_auto_sizes_the_round_for_the_widest_width(max_batch, cap, widths):
+    args = _args(speculative_ddtree_budget="auto", speculative_ddtree_topk_cap=cap)
+    block, budget, topk = ds.resolve_ddtree_server_args(args, _dflash, lambda a: max_batch)
+    assert args.speculative_ddtree_auto_widths == widths
+    assert (block, budget) == (16, widths[-1] - 1)
+    assert topk == min(budget, cap or 16)
+    # every width's tree fits the top-k cap and depth
+    assert ds.tree_capacity(topk, block - 1, budget) >= budget
+
+
+def test_resolve_auto_refusals():
+    with pytest.raises(ValueError, match="not available on this SGLang version"):
+        ds.resolve_ddtree_server_args(_args(speculative_ddtree_budget="auto"), _dflash)
+    with pytest.raises(ValueError, match="drop --speculative-num-draft-tokens"):
+        ds.resolve_ddtree_server_args(_args(speculative_ddtree_budget="auto", speculative_num_draft_tokens=16),
+                                      _dflash, lambda a: 16)
+    with pytest.raises(ValueError, match="no verify width"):
+        ds.resolve_ddtree_server_args(_args(speculative_ddtree_budget="auto"), _dflash, lambda a: 1024)
+    with pytest.raises(ValueError, match="integer or 'auto'"):
+        ds.resolve_ddtree_server_args(_args(speculative_ddtree_budget="big"), _dflash, lambda a: 16)
+    # a fixed budget is unchanged and sets no widths
+    args = _args(speculative_ddtree_budget="63")
+    assert ds.resolve_ddtree_server_args(args, _dflash, lambda a: 16) == (16, 63, 16)
+    assert not hasattr(args, "speculative_ddtree_auto_widths")
