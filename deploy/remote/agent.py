@@ -557,7 +557,8 @@ def op_read(p):
 def _shell(cmd, timeout):
     """(exit code, stdout + stderr) of a shell command of the restart strategy; 124 on a timeout."""
     try:
-        r = subprocess.run(["/bin/sh", "-c", cmd], capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=timeout)
+        r = subprocess.run(["/bin/sh", "-c", cmd], capture_output=True, text=True, stdin=subprocess.DEVNULL,
+                           timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
         return 124, ""
     return r.returncode, r.stdout + r.stderr

@@ -107,9 +107,10 @@ def probe_facts(r, out: str | None) -> Probe | None:
         kv = dict(line.split("=", 1) for line in text.splitlines() if "=" in line)
         if "MainPID" not in kv:
             return None
-        num = lambda k: int(kv[k]) if kv.get(k, "").isdigit() else None  # noqa: E731
-        pid = num("MainPID")
-        return Probe(pid or None, num("NRestarts"), f"{kv.get('ActiveState', '?')}/{kv.get('SubState', '?')}",
+        def num(k: str) -> int | None:
+            return int(kv[k]) if kv.get(k, "").isdigit() else None
+
+        return Probe(num("MainPID") or None, num("NRestarts"), f"{kv.get('ActiveState', '?')}/{kv.get('SubState', '?')}",
                      f"ActiveState={kv.get('ActiveState', '?')} SubState={kv.get('SubState', '?')}")
     if isinstance(r, SupervisorRestart):
         m = re.match(r"^(\S+)\s+([A-Z]+)\b\s*(.*)$", text.splitlines()[-1] if text else "")

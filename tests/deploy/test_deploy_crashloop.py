@@ -20,7 +20,11 @@ import time
 
 import deploy_testbed as tb
 import pytest
-from ddtree_deploy.deploy.config.inventory import PidfileRestart, SupervisorRestart, SystemdRestart
+from ddtree_deploy.deploy.config.inventory import (
+    PidfileRestart,
+    SupervisorRestart,
+    SystemdRestart,
+)
 from ddtree_deploy.deploy.remote import restart
 from deploy_cli import VENV_BIN, host_toml, run_cli
 from test_deploy_report import journals, result, settled
