@@ -356,3 +356,17 @@ def test_messages_name_the_host_once(setup, builds, site_cache, env):
     helptext = run_cli(["plan", "--help"], env)
     words = " ".join(helptext.stdout.replace("│", " ").split())
     assert helptext.returncode == 0 and "finishes a transition an earlier run left unfinished" in words, words
+
+
+def test_free_space_below_10_mb_is_shown_in_kb(builds):
+    """The preflight's shortfall names a nearly full filesystem in kB (500 kB free is not `0 MB`);
+    the facts are built here as the agent reports them (no host needed)."""
+    from ddtree_deploy.deploy.remote.facts import HostFacts
+    from ddtree_deploy.deploy.remote.plan import space_shortfall
+
+    free = 500 * 1024
+    facts = HostFacts(python="/usr/bin/python3", sglang_dir="/x/sglang", version="0", free_mb={"sglang": 5000, "state": free >> 20},
+                      current=None, lock=None, releases=[], pristine_store={}, free_bytes={"sglang": 5000 << 20, "state": free})
+    low = space_shortfall(facts, builds["good"], 64)
+    need = sum(f.size for f in builds["good"].files.values()) // (1 << 20) + 1 + 64
+    assert low == f"state filesystem has {free // 1024} kB free, needs {need} MB", low
