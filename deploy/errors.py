@@ -79,3 +79,16 @@ class RollbackFailed(DDTreeDeployError):
 
 class Unfinished(DDTreeDeployError):
     exit_code = EXIT_UNFINISHED
+
+
+def host_once(message: str, host: str) -> str:
+    """`message` with each `<host>: ` prefix said once where errors were wrapped in errors
+    (`h1: h1: x` -> `h1: x`, anywhere in the message)."""
+    import re
+
+    return re.sub(rf"(?<![\w.-])({re.escape(host)}: )(?:{re.escape(host)}: )+", r"\1", message)
+
+
+def without_host(message: str, host: str) -> str:
+    """`message` without its leading `<host>: ` (where the host is named beside it: a table row)."""
+    return host_once(message, host).removeprefix(f"{host}: ")

@@ -32,6 +32,7 @@ from rich.table import Table
 from ..build.buildinfo import MANIFEST_NAME, BuildInfo, gates_verdict, load_build
 from ..build.pins import BuildChoice
 from ..config.inventory import Host, Inventory, load_inventory
+from ..config.launch import restart_pending
 from ..errors import (
     EXIT_OK,
     EXIT_SIGINT,
@@ -41,6 +42,7 @@ from ..errors import (
     RemoteRefused,
     RemoteUnreachable,
     UsageError,
+    without_host,
 )
 from ..remote import envfile, health, restart
 from ..remote import lock as host_lock
@@ -221,7 +223,7 @@ def _table(title: str, outs: list[Outcome], untouched: list[str] = ()) -> None:
         n = o.extra.get("restarts", 1 if o.restarted else 0)
         t.add_row(o.host, "[green]ok[/]" if o.ok else "[bold red]FAILED[/]", str(o.code), o.release or "-",
                   "yes" if o.changed else "no", f"yes ({n}x)" if n else "no",
-                  "yes" if o.extra.get("rolled_back") else "no", o.message)
+                  "yes" if o.extra.get("rolled_back") else "no", without_host(o.message, o.host))
     for name in untouched:
         t.add_row(name, "[yellow]not touched[/]", "-", "-", "no", "no", "no", "the rollout stopped before this host")
     console.print(t)
@@ -291,7 +293,7 @@ def rollback(
     if json_out:
         emit_json({"action": "rollback", "ok": code == EXIT_OK, "exit_code": code, "results": [o.to_json() for o in outs]})
     if code:
-        raise _exit(code, f"rollback of {host} failed (exit {code}): {outs[0].message}")
+        raise _exit(code, f"rollback of {host} failed (exit {code}): {without_host(outs[0].message, host)}")
 
 
 def restart_cmd(
@@ -315,7 +317,7 @@ def restart_cmd(
     if json_out:
         emit_json({"action": "restart", "ok": code == EXIT_OK, "exit_code": code, "results": [o.to_json() for o in outs]})
     if code:
-        raise _exit(code, f"restart of {host} failed (exit {code}): {outs[0].message}")
+        raise _exit(code, f"restart of {host} failed (exit {code}): {without_host(outs[0].message, host)}")
 
 
 def plan(
@@ -342,6 +344,7 @@ def plan(
         p = make_plan(t, b, facts, force=force)
         if diff:
             add_diffs(t, b, p)
+        pending = _plan_pending(t, p)
     except DDTreeDeployError as exc:
         raise _fail(exc) from None
     finally:
@@ -367,15 +370,30 @@ def plan(
         console.print(f"  {i:2}. {s}", markup=False)
     for r in p.refusals:
         warn(f"push would be refused: {r.message}")
+    if pending:
+        warn(f"{h.name}: restart pending: the service does not run with the flags of {p.env.path} "
+             f"({'; '.join(pending)}); `ddtree-deploy restart {h.name}` applies them"
+             + (", a push changes nothing" if p.noop else ""))
     if json_out:
-        emit_json(dict(p.to_json(), recovered=notes))
+        emit_json(dict(p.to_json(), recovered=notes, restart_pending=pending))
+
+
+def _plan_pending(t, p) -> list[str] | None:
+    """[launch]: the env file's flags now vs the running service's (None: no [launch], or no answer)."""
+    if p.env is None:
+        return None
+    try:
+        info = health.server_info(t)
+    except DDTreeDeployError:
+        return None
+    return restart_pending(p.env.before_args, info) if info else None
 
 
 def _recover(t, facts) -> list[str]:
     """Finish what an earlier run left unfinished on the host (journal recovery), and say so."""
     notes = recover_host(t, facts=facts)
     for n in notes:
-        warn(f"{t.label}: {n}")
+        warn(f"{t.label}: {without_host(n, t.label)}")
     return notes
 
 
@@ -420,6 +438,8 @@ def status(
         if info:
             algo, metrics = health.algorithm_and_metrics(info)
             out.update(speculative_algorithm=algo, metrics=metrics, server_version=info.get("version"))
+        if out["launch"] is not None:  # the flags in the file vs what the running service reports
+            out["launch"]["restart_pending"] = restart_pending(out["launch"]["args"], info) if info else None
     except RemoteUnreachable as exc:
         raise _fail(exc) from None
     except DDTreeDeployError as exc:
@@ -455,10 +475,11 @@ def status(
     tab.add_row("speculative algorithm", str(out.get("speculative_algorithm", "-")))
     if out.get("launch"):
         lf = out["launch"]
-        pending = ("" if "speculative_algorithm" not in out or str(out["speculative_algorithm"]).upper() == lf["expect_algorithm"]
-                   else " [bold red](the service runs another algorithm: restart pending or flags ignored)[/]")
         tab.add_row("launch flags", f"{lf['env_file']} {lf['variable']}={escape(lf['args'] or '(unset)')} "
-                    f"(expects {lf['expect_algorithm']}){pending}")
+                    f"(expects {lf['expect_algorithm']})")
+        if lf.get("restart_pending"):
+            tab.add_row("restart pending", f"[bold red]{escape('; '.join(lf['restart_pending']))}[/] "
+                        f"(`ddtree-deploy restart {escape(host)}` starts the service with the file's flags)")
     for k, v in (out.get("metrics") or {}).items():
         tab.add_row(k, str(v))
     console.print(tab)

@@ -182,6 +182,53 @@ def algorithm_of(args: str | None) -> str:
     return (algo or NO_ALGORITHM).upper()
 
 
+def flags_of(args: str | None) -> dict[str, str | bool]:
+    """`--name value` / `--name=value` / `--name` (True) of a flag string, keyed as SGLang's server
+    args are (`--speculative-ddtree-budget` -> `speculative_ddtree_budget`); the last one wins."""
+    out: dict[str, str | bool] = {}
+    toks = (args or "").split()
+    i = 0
+    while i < len(toks):
+        tok = toks[i]
+        if tok.startswith("--"):
+            name, eq, value = tok[2:].partition("=")
+            key = name.replace("-", "_")
+            if eq:
+                out[key] = value
+            elif i + 1 < len(toks) and not toks[i + 1].startswith("--"):
+                out[key], i = toks[i + 1], i + 1
+            else:
+                out[key] = True
+        i += 1
+    return out
+
+
+def _norm(v) -> str:
+    if isinstance(v, bool):
+        return str(v).lower()
+    if isinstance(v, float) and v.is_integer():
+        return str(int(v))
+    return "none" if v is None else str(v).lower()
+
+
+def restart_pending(args: str | None, server_info: dict) -> list[str]:
+    """The flags of `args` (the env file's, as the service reads them at its next start) that the
+    running service does not run with, by its /get_server_info (which reports every server arg):
+    e.g. `speculative_ddtree_budget: the service runs 63, the env file says 31`. Empty: nothing
+    pending. A flag the service does not report is not compared (it cannot be known)."""
+    out = []
+    running = server_info.get("speculative_algorithm")
+    want = algorithm_of(args)
+    if _norm(running or NO_ALGORITHM) != want.lower():
+        out.append(f"speculative_algorithm: the service runs {running or NO_ALGORITHM}, the env file says {want}")
+    for key, value in flags_of(args).items():
+        if key == "speculative_algorithm" or key not in server_info:
+            continue
+        if _norm(server_info[key]) != _norm(value):
+            out.append(f"{key}: the service runs {server_info[key]}, the env file says {value}")
+    return out
+
+
 def _assigns(line: str, variable: str) -> bool:
     return re.match(rf"^\s*(export\s+)?{re.escape(variable)}\s*=", line) is not None
 

@@ -554,7 +554,32 @@ def op_read(p):
         return {"exists": True, "b64": base64.b64encode(f.read()).decode()}
 
 
+def _shell(cmd, timeout):
+    """(exit code, stdout + stderr) of a shell command of the restart strategy; 124 on a timeout."""
+    try:
+        r = subprocess.run(["/bin/sh", "-c", cmd], capture_output=True, text=True, stdin=subprocess.DEVNULL,
+                           timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        return 124, ""
+    return r.returncode, r.stdout + r.stderr
+
+
 def op_http(p):
+    """One HTTP request from the host. A health poll also passes the restart strategy's `alive` and
+    `probe` commands: they run first, in this order and in the same call (one round trip per poll),
+    and answer as `alive` (exit 0) and `probe` (the supervisor's words: main PID, restart count,
+    state); a dead service gets no request."""
+    out = {}
+    if p.get("alive"):
+        out["alive"] = _shell(p["alive"], 30)[0] == 0
+    if p.get("probe"):  # after `alive`: a process that died between the two shows here as dead or replaced
+        out["probe"] = _shell(p["probe"], 30)[1]
+    if out.get("alive") is False:
+        return dict(out, status=None, error="the service process is not running")
+    return dict(out, **_request(p))
+
+
+def _request(p):
     import urllib.error
     import urllib.request
 
@@ -583,7 +608,7 @@ OPS = {
     "record": (op_record, ("state_dir", "release_id", "updates"), ("current", "cleanup", "journal", "info", "drop_uploads")),
     "prune": (op_prune, ("state_dir", "keep"), ("protect",)),
     "read": (op_read, ("path",), ("state_dir",)),
-    "http": (op_http, ("url",), ("json", "timeout", "state_dir")),
+    "http": (op_http, ("url",), ("json", "timeout", "state_dir", "alive", "probe")),
 }
 
 

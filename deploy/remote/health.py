@@ -1,6 +1,8 @@
 """The health gate, run on the host itself (a GPU host's port is rarely reachable from here):
-poll `/health` until the deadline, fail fast when the service process has died, then require the
-expected speculative algorithm in `/get_server_info` and one successful smoke generation."""
+poll `/health` until the deadline, fail fast when the service process has died or its supervisor
+restarts it over and over (a crash loop: deploy.remote.restart.CrashWatch), then require the
+expected speculative algorithm in `/get_server_info` and one successful smoke generation. Each poll
+is one agent call: the liveness command, the supervisor's facts and the request together."""
 
 from __future__ import annotations
 
@@ -31,10 +33,13 @@ class HealthReport:
         return self.__dict__.copy()
 
 
-def http(t: Transport, path: str, payload: dict | None = None) -> dict:
+def http(t: Transport, path: str, payload: dict | None = None, **shell: str | None) -> dict:
+    """One request from the host; `alive=`/`probe=` (restart strategy commands) run first in the same call."""
     h = t.host.health
     timeout = h.request_timeout_s
-    return call_agent(t, "http", {"url": h.url + path, "json": payload, "timeout": timeout}, int(timeout) + 20)
+    extra = {k: v for k, v in shell.items() if v}
+    return call_agent(t, "http", dict({"url": h.url + path, "json": payload, "timeout": timeout}, **extra),
+                      int(timeout) + 20 + 30 * len(extra))
 
 
 def server_info(t: Transport) -> dict | None:
@@ -62,16 +67,21 @@ def wait_healthy(t: Transport, tick: TickFn | None = None, expect=INVENTORY) -> 
     """`expect`: the speculative algorithm required (None: no check); by default the inventory's.
     With [launch], each transition passes the algorithm of the flags it puts in place."""
     h = t.host.health
+    cmds = restart.commands(t.host.restart)
+    watch = restart.CrashWatch(t.host.restart)
     start = time.monotonic()
     last = "no answer yet"
     while True:
         elapsed = time.monotonic() - start
         if tick:
             tick(elapsed)
-        if not restart.alive(t):
+        r = http(t, "/health", alive=cmds["alive"], probe=cmds["probe"])
+        loop = watch.check(restart.probe_facts(t.host.restart, r.get("probe")))
+        if loop:
+            return HealthReport(False, loop, elapsed, log_tail=restart.log_tail(t))
+        if r.get("alive") is False:
             return HealthReport(False, "the service process is not running (died during start)", elapsed,
                                 log_tail=restart.log_tail(t))
-        r = http(t, "/health")
         if r.get("status") == 200:
             break
         last = f"HTTP {r['status']}" if r.get("status") else r.get("error", "no answer")

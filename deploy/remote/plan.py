@@ -129,7 +129,8 @@ def make_plan(t: Transport, build: BuildInfo, facts: HostFacts, *, force: bool =
         Op("swap", "swap (temp file in the same directory + rename): " + ", ".join(f"{f.relpath} [{f.status}]" for f in change), files),
         *([Op("launch", env.summary() + " (backed up, swapped and restored with the files)", [env.path])] if env else []),
         Op("restart", f"restart: {cmds['restart']}"),
-        Op("health", f"health gate on the host: {h.health.url}/health within {h.health.deadline_s:g}s (fail fast: {cmds['alive']})"),
+        Op("health", f"health gate on the host: {h.health.url}/health within {h.health.deadline_s:g}s (fail fast: {cmds['alive']}"
+                     + (f"; crash loop: {cmds['probe']}" if cmds["probe"] else "") + ")"),
         Op("algorithm", f"require speculative_algorithm == {env.expect_after if env else h.health.expect_algorithm}")
         if env or h.health.expect_algorithm else Op("algorithm", "no algorithm check"),
         Op("smoke", "smoke generation via /generate" if h.health.smoke else "no smoke generation"),

@@ -34,6 +34,8 @@ from ..errors import (
     RemoteRefused,
     RemoteUnreachable,
     RollbackFailed,
+    host_once,
+    without_host,
 )
 from . import envfile, health, lock, records, restart
 from .agent_client import call_agent
@@ -341,8 +343,8 @@ class Releaser:
                 if not unf:
                     return notes
                 notes += self._recover_all(read_facts(self.t))  # again, under the lock
-        except RemoteRefused as exc:  # someone else took the lock meanwhile
-            notes.append(exc.message)
+        except RemoteRefused as exc:  # someone else took the lock meanwhile (the notes are shown after the host's name)
+            notes.append(without_host(exc.message, name))
         self.recovered = notes
         return notes
 
@@ -454,7 +456,7 @@ class Releaser:
         try:
             self._agent("prune", {"keep": self.h.keep_releases, "protect": protect})
         except DDTreeDeployError as exc:
-            self.ev.step(self.h.name, f"prune skipped ({exc.message})")
+            self.ev.step(self.h.name, f"prune skipped ({without_host(exc.message, self.h.name)})")
 
     # -- rollback ------------------------------------------------------------------------------------
     def rollback(self, to: str | None, *, break_lock: bool = False) -> Outcome:
@@ -570,7 +572,8 @@ def run_host(host: Host, inventory: Inventory, action: str, events: Events | Non
         out.restarted = out.restarted or r.restarts > 0
         out.extra.update(restarts=r.restarts, rolled_back=r.rolled_back, recovered=r.recovered)
         if r.recovered:
-            out.message = "recovered: " + "; ".join(r.recovered) + " | " + out.message
+            out.message = "recovered: " + "; ".join(without_host(n, host.name) for n in r.recovered) + " | " + out.message
+    out.message = host_once(out.message, host.name)
     if STOP.is_set():
         out.extra["interrupted"] = True
     build = r.build if r is not None and r.build is not None else (build if isinstance(build, BuildInfo) else None)

@@ -282,9 +282,11 @@ def setup_systemd(h: TestHost, unit: str = "sglang", env_file: Path | None = Non
             f"#!/bin/sh\n# EnvironmentFile=-{env_file}\nexport DDTREE_TEST_SERVICE_ENV=1\nexec {argv} ${LAUNCH_VAR}\n")
 
 
-def setup_supervisor(h: TestHost, netns: str | None, env_file: Path | None = None) -> Path:
+def setup_supervisor(h: TestHost, netns: str | None, env_file: Path | None = None, autorestart: bool = False) -> Path:
     """supervisord (in `netns`) with the program `sglang`; with `env_file`, the wrapper the README
-    shows: `sh -c 'set -a; [ -f ENV ] && . ENV; set +a; exec ... $SGLANG_SPEC_ARGS'`."""
+    shows: `sh -c 'set -a; [ -f ENV ] && . ENV; set +a; exec ... $SGLANG_SPEC_ARGS'`; `autorestart`:
+    supervisord starts the program again whenever it exits (a service that dies at start then
+    crash-loops, as under a production supervisor)."""
     conf = h.root / "supervisord.conf"
     run = h.root / "run"
     if env_file is None:
@@ -306,7 +308,7 @@ def setup_supervisor(h: TestHost, netns: str | None, env_file: Path | None = Non
         command={command}
         environment=DDTREE_TEST_SERVICE_ENV="1"
         autostart=false
-        autorestart=false
+        autorestart={str(autorestart).lower()}
         startsecs=0
         stopasgroup=true
         killasgroup=true

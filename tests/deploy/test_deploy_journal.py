@@ -192,6 +192,8 @@ def test_signals_stop_at_a_safe_point(setup, cli_env, site_cache, tmp_path):
     assert "again: still stopping" in err and "rolled back" in err  # the table's column header at least
     res = json.loads(out)["results"][0]
     assert res["extra"]["rolled_back"] and res["extra"]["interrupted"] and not res["changed"] and res["extra"]["restarts"] == 2
+    row = next(ln for ln in err.splitlines() if ln.startswith("│ ct200 "))  # the row shows the code the process exits with
+    assert res["code"] == 130 and row.split("│")[3].strip() == "130", row
     assert tb.tree_digest(h.sglang) == before
     assert _last_steps(h)[-1] == "rolled-back" and not (h.state / "lock").exists()
     local = [json.loads(x) for x in (Path(env["DDTREE_DEPLOY_STATE"]) / "ct200.jsonl").read_text().splitlines()]

@@ -314,3 +314,46 @@ def test_dead_push_with_launch_finished_by_next_command(lbed, builds, lenv):
         assert rec["outcome"] == "rolled-back" and rec["launch"]["previous_expect_algorithm"] == "DFLASH", rec
         assert rec["health_after_rollback"]["ok"] and rec["health_after_rollback"]["algorithm"] == "DFLASH", rec
         assert json.loads((h.state / "current.json").read_text())["state"] == "pristine"
+
+
+@pytest.mark.ssh
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_env_file_budget_change_is_restart_pending(lbed, builds, lenv):
+    """systemd shim: the DDTREE budget changed in the env file (by hand here) is what the service reads
+    at its next start, not what it runs with: `status` and `plan` say `restart pending` with the
+    flag and both values (the service's from its /get_server_info), `restart` applies it and the
+    note goes; the hand edit stays drift until a rollback puts the flags back. About 40 s on 2
+    cores: a push, a restart and a rollback, each with its health gate."""
+    h, env_file, good = lbed["ct-launch"], lbed["env"]["ct-launch"], builds["good"]
+    if (h.state / "current.json").exists():  # after the other tests: back to the state before the tool came
+        r = run_cli(["rollback", "ct-launch", "--to", "pristine"], lenv)
+        assert r.returncode == 0, r.stderr
+    pristine_env, pristine_tree = env_bytes(env_file), tb.tree_digest(h.sglang)
+    r = run_cli(["push", "ct-launch", "--build", str(good.root), "--json"], lenv)
+    assert r.returncode == 0, r.stderr
+    st = status("ct-launch", lenv)
+    assert st["launch"]["restart_pending"] == [], st["launch"]
+    budget = launch.flags_of(DDTREE_ARGS)["speculative_ddtree_budget"]
+    new = str(int(budget) + 2)
+    pushed = env_bytes(env_file)
+    tmp = env_file.with_name("edit")
+    tmp.write_bytes(pushed.replace(f"budget {budget}".encode(), f"budget {new}".encode()))
+    os.replace(tmp, env_file)
+    running = server_info(h)["speculative_ddtree_budget"]
+    want = [f"speculative_ddtree_budget: the service runs {running}, the env file says {new}"]
+    s = run_cli(["status", "ct-launch", "--json"], lenv)
+    assert json.loads(s.stdout)["launch"]["restart_pending"] == want and "restart pending" in s.stderr, s.stderr[-2000:]
+    p = run_cli(["plan", "ct-launch", "--build", str(good.root), "--json"], lenv)
+    assert p.returncode == 0 and json.loads(p.stdout)["restart_pending"] == want, p.stderr[-2000:]
+    assert "restart pending" in p.stderr and "ddtree-deploy restart ct-launch" in p.stderr, p.stderr[-2000:]
+    r = run_cli(["restart", "ct-launch", "--json"], lenv)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert server_info(h)["speculative_ddtree_budget"] == new
+    st = status("ct-launch", lenv)
+    assert st["launch"]["restart_pending"] == [] and st["verify"][str(env_file)] == "changed", st
+    r = run_cli(["rollback", "ct-launch", "--to", "pristine", "--json"], lenv)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert env_bytes(env_file) == pristine_env and tb.tree_digest(h.sglang) == pristine_tree
+    st = status("ct-launch", lenv)
+    assert st["healthy"] and st["launch"]["restart_pending"] == [], st["launch"]

@@ -15,7 +15,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import subprocess
+import time
 
 import deploy_testbed as tb
 import pytest
@@ -301,3 +303,70 @@ def test_a_python_without_sglang_is_a_configuration_error(bed, setup, builds, si
     r = run_cli(["push", "ct200", "--build", str(builds["good"].root), "--json"], dict(env, DDTREE_DEPLOY_HOSTS=str(inv)))
     assert "sglang is not importable" in result(r)["message"], result(r)
     settled(h, env, tree=after, state=rid, code=2, r=r, outcome="config-error")
+
+
+def test_messages_name_the_host_once(setup, builds, site_cache, env):
+    """push (a change, a no-op), plan, status, rollback (a refusal, later one that works) and, with
+    the lock held by a run on another machine, push, rollback, restart, plan and status: no
+    message says the host twice in a row (`ct200: ct200: ...`), the table's message column does not
+    repeat the host column, the final error line names it once, and the lock refusal hints at
+    `unlock ct200 --force` (a plain `unlock` refuses a holder on another machine). `plan --help`
+    says that plan may finish an earlier run's transition. Over 60 s on 2 cores (about 80 s): three
+    pushes and a rollback with their health gates and a dozen other commands, to see the messages
+    of each command and path once."""
+    h, _, other = setup
+    good = builds["good"]
+    tb.reset_host(h, good, site_cache)
+    pristine = tb.tree_digest(h.sglang)
+    runs: list[tuple[tuple, subprocess.CompletedProcess]] = []
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        r = run_cli([*args, "--json"], env)
+        runs.append((args, r))
+        return r
+
+    assert cli("push", "ct200", "--build", str(good.root)).returncode == 0
+    assert "nothing to do" in result(cli("push", "ct200", "--build", str(good.root)))["message"]
+    assert cli("plan", "ct200", "--build", str(other.root)).returncode == 0
+    assert cli("status", "ct200").returncode == 0
+    assert cli("rollback", "ct200", "--to", "no-such-release").returncode == 6
+    (h.state / "lock").mkdir()  # a run on another machine holds the lock
+    (h.state / "lock" / "owner.json").write_text(json.dumps(
+        {"owner": "ops@elsewhere", "machine": "elsewhere", "pid": 4242, "time": time.time(), "action": "push",
+         "release": None, "token": "0123456789abcdef"}))
+    for args in (("push", "ct200", "--build", str(other.root)), ("rollback", "ct200"), ("restart", "ct200")):
+        r = cli(*args)
+        assert r.returncode == 6 and "`ddtree-deploy unlock ct200 --force`" in result(r)["message"], (args, r.stderr[-2000:])
+    plan = cli("plan", "ct200", "--build", str(other.root))
+    assert any("lock held by ops@elsewhere" in x for x in json.loads(plan.stdout)["refusals"]), plan.stdout[-2000:]
+    assert json.loads(cli("status", "ct200").stdout)["lock"]["owner"] == "ops@elsewhere"
+    assert run_cli(["unlock", "ct200"], env).returncode == 6  # another machine: refused without --force
+    assert run_cli(["unlock", "ct200", "--force"], env).returncode == 0
+    assert cli("push", "ct200", "--build", str(other.root)).returncode == 0
+    r = cli("rollback", "ct200")  # back to the good build (ct200's service runs DDTREE: not to pristine)
+    assert r.returncode == 0 and tb.tree_digest(h.sglang) == tree_after(pristine, good), r.stderr[-2000:]
+    for args, r in runs:
+        text = r.stdout + r.stderr
+        assert "ct200: ct200:" not in text, (args, text[-3000:])
+        for line in r.stderr.splitlines():
+            if line.startswith("│ ct200 "):  # a row of the result table: the host column names it
+                assert not line.split("│")[8].strip().startswith("ct200"), (args, line)
+            if line.startswith("error:"):
+                assert not re.search(r"ct200 failed \(exit \d+\): ct200: ", line), (args, line)
+    helptext = run_cli(["plan", "--help"], env)
+    words = " ".join(helptext.stdout.replace("│", " ").split())
+    assert helptext.returncode == 0 and "finishes a transition an earlier run left unfinished" in words, words
+
+
+def test_free_space_below_10_mb_is_shown_in_kb(builds):
+    """The preflight's shortfall names a nearly full filesystem in kB (500 kB free is not `0 MB`);
+    the facts are built here as the agent reports them (no host needed)."""
+    from ddtree_deploy.deploy.remote.facts import HostFacts
+    from ddtree_deploy.deploy.remote.plan import space_shortfall
+
+    free = 500 * 1024
+    facts = HostFacts(python="/usr/bin/python3", sglang_dir="/x/sglang", version="0", free_mb={"sglang": 5000, "state": free >> 20},
+                      current=None, lock=None, releases=[], pristine_store={}, free_bytes={"sglang": 5000 << 20, "state": free})
+    low = space_shortfall(facts, builds["good"], 64)
+    need = sum(f.size for f in builds["good"].files.values()) // (1 << 20) + 1 + 64
+    assert low == f"state filesystem has {free // 1024} kB free, needs {need} MB", low
