@@ -61,6 +61,97 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.interp)
 
 
+# -- `make test`'s order over the xdist workers: the longest tests first ------------------------------
+# pytest-xdist's `worksteal` hands each worker one contiguous slice of the collection and lets idle
+# workers steal from the end of the others' queues. A long test late in a slice then starts in the
+# last minutes and ends the run alone (CPU idle: 22 min for about 15 min of work on 2 cores). Here
+# the first distribution is planned instead: every test gets an estimate (LONG_TESTS below, else a
+# default by tier), the known-long tests are dealt out longest first to the least loaded worker
+# (each starts at t=0 or right after another long one), the other tests follow in units of one
+# module (a module's fixtures, e.g. a deploy module's extra host, are set up once per worker), also
+# to the least loaded worker; then work stealing balances the end of the run as before. Only the
+# order changes: every test runs, in its own process as before.
+#
+# Seconds on 2 busy cores, from the last `make test --durations` (docs/TESTING.md); a key matches a
+# node id and its parametrizations. Only the ranking matters. A test over about 60 s belongs here.
+LONG_TESTS = {
+    "tests/deploy/test_deploy_journal.py::test_reboot_of_the_control_machine": 325,
+    "tests/deploy/test_deploy_journal.py::test_kill_and_drop_at_every_step[kill]": 262,
+    "tests/deploy/test_deploy_journal.py::test_kill_and_drop_at_every_step[drop]": 260,
+    "tests/test_ddtree_utils_triton.py::test_kernels_compile_for_the_gpus_we_serve_on[120]": 265,
+    "tests/test_ddtree_utils_triton.py::test_kernels_compile_for_the_gpus_we_serve_on[90]": 244,
+    "tests/deploy/test_deploy_journal.py::test_state_dir_enospc_at_each_step": 171,
+    "tests/deploy/test_deploy_journal.py::test_enospc_at_each_step": 162,
+    "tests/deploy/test_deploy_launch.py::test_systemd_push_turns_ddtree_on_and_rollback_restores_flags": 149,
+    "tests/deploy/test_deploy_launch.py::test_supervisord_auto_rollback_and_rollback_restore_env_file": 129,
+    "tests/deploy/test_deploy_launch.py::test_env_file_budget_change_is_restart_pending": 117,
+    "tests/deploy/test_deploy_report.py::test_serial_rollout_stops_at_the_first_failed_host": 101,
+    "tests/deploy/test_deploy_report.py::test_push_of_the_build_in_place_starts_a_stopped_service": 100,
+    "tests/deploy/test_deploy_report.py::test_a_hand_edit_put_back_by_rollback_shows_as_drift": 100,
+    "tests/deploy/test_deploy_report.py::test_messages_name_the_host_once": 98,
+    "tests/deploy/test_deploy_scenarios.py::test_local_push_and_rollbacks": 98,
+    "tests/deploy/test_deploy_report.py::test_a_fault_during_the_automatic_rollback_keeps_the_first_cause": 96,
+    "tests/deploy/test_deploy_launch.py::test_pristine_sglang_refuses_ddtree_flags": 90,
+    "tests/deploy/test_deploy_launch.py::test_dead_push_with_launch_finished_by_next_command": 90,
+    "tests/sglang_v2/test_v2_pin.py::test_the_016_pin_on_cpu": 80,
+    "tests/deploy/test_deploy_scenarios.py::test_health_deadline_rolls_back": 60,
+    "tests/deploy/test_deploy_crashloop.py::test_crash_loop_under_supervisord_fails_the_gate_at_once": 60,
+}
+_DEFAULT_S = (("tests/deploy/", 20.0), ("tests/sglang", 5.0), ("tests/test_ddtree_utils", 3.0), ("", 1.0))
+
+
+def estimate_s(nodeid: str) -> float:
+    """The planning estimate of one test (seconds on 2 busy cores)."""
+    for key, s in LONG_TESTS.items():
+        if nodeid == key or nodeid.startswith(key + "["):
+            return float(s)
+    return next(s for prefix, s in _DEFAULT_S if nodeid.startswith(prefix))
+
+
+def plan_longest_first(collection: list[str], n_workers: int) -> list[list[int]]:
+    """Indices of `collection` per worker, in the order each worker runs them (see above)."""
+    long_units = [[i] for i, nid in enumerate(collection) if any(nid == k or nid.startswith(k + "[") for k in LONG_TESTS)]
+    taken = {u[0] for u in long_units}
+    modules: dict[str, list[int]] = {}
+    for i, nid in enumerate(collection):
+        if i not in taken:
+            modules.setdefault(nid.split("::")[0], []).append(i)
+    weight = lambda unit: sum(estimate_s(collection[i]) for i in unit)  # noqa: E731
+    queues: list[list[int]] = [[] for _ in range(n_workers)]
+    load = [0.0] * n_workers
+    for units in (long_units, list(modules.values())):  # the long tests, then modules, each heaviest first
+        for unit in sorted(units, key=weight, reverse=True):
+            w = min(range(n_workers), key=lambda k: (load[k], k))
+            queues[w].extend(unit)
+            load[w] += weight(unit)
+    return queues
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "worksteal":
+        return None  # xdist's own scheduler for the other modes
+    from xdist.scheduler import WorkStealingScheduling
+
+    class LongestFirst(WorkStealingScheduling):
+        def schedule(self) -> None:
+            assert self.collection_is_completed
+            if self.collection is not None:  # a later call: rebalance as xdist does
+                return self.check_schedule()
+            if not self._check_nodes_have_same_collection():
+                self.log("**Different tests collected, aborting run**")
+                return
+            self.collection = next(iter(self.node2collection.values()))
+            nodes = [n for n in self.nodes if not n.shutting_down]
+            for node, queue in zip(nodes, plan_longest_first(self.collection, len(nodes))):
+                if queue:
+                    self.node2pending[node].extend(queue)
+                    node.send_runtest_some(queue)
+            self.check_schedule()  # nothing left to hand out: an idle worker steals
+
+    return LongestFirst(config, log)
+
+
 @pytest.fixture
 def project(tmp_path: Path) -> Project:
     """Snapshot of UPSTREAM, an empty series, a tiny ddtree_utils.py; nothing built yet."""

@@ -9,6 +9,7 @@ ptxas it ships; prints one line per specialisation and exits 1 if any fails.
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import triton
@@ -131,14 +132,16 @@ def main() -> int:
     failed = 0
     for fn, types, consts, warps in CASES:
         label = f"{fn.__name__} {consts}"
+        t0 = time.monotonic()
         try:
             print(
-                f"ok   {label}: {compile_one(fn, types, consts, arch, warps)}",
+                f"ok   {label}: {compile_one(fn, types, consts, arch, warps)} ({time.monotonic() - t0:.1f} s)",
                 flush=True,
             )
         except Exception as exc:  # report every failing specialisation, then fail
             failed += 1
             print(f"FAIL {label}: {type(exc).__name__}: {exc}", flush=True)
+    print(f"{len(CASES) - failed} of {len(CASES)} specialisations compiled for sm_{arch}", flush=True)
     return 1 if failed else 0
 
 

@@ -143,6 +143,9 @@ def test_service_fails_at_import_rolls_back(bed, ct200_good, builds, cli_env, tm
 
 
 def test_health_deadline_rolls_back(bed, ct200_good, builds, cli_env, tmp_path):
+    """A service that hangs at start: the health gate gives up at its 40 s deadline and the push
+    rolls back. Over 60 s on 2 busy cores: the whole deadline is waited on (shorter risks the old
+    service's own restart on a loaded CI box), then the rollback restarts the old service."""
     h = ct200_good
     inv = tmp_path / "hosts.toml"  # same host, a short deadline
     inv.write_text(host_toml(bed["ssh"], h, bed["supervisor"], deadline=40, import_check=False))
@@ -339,7 +342,8 @@ def test_two_hosts_one_failing(bed, builds, site_cache, cli_env):
 
 
 def test_local_push_and_rollbacks(bed, builds, site_cache, cli_env):
-    """`local` (no SSH, start-stop-daemon pidfile): push, rollback, rollback --to <release>, --to pristine."""
+    """`local` (no SSH, start-stop-daemon pidfile): push, rollback, rollback --to <release>, --to pristine.
+    Over 60 s on 2 busy cores: a push and the rollbacks each restart the service with its health gate (each start of the stub service imports the real sglang (torch, transformers: about 9 s of CPU))."""
     h, good = bed["hosts"]["local"], builds["good"]
     tb.reset_host(h, good, site_cache)
     pristine = tb.tree_digest(h.sglang)
