@@ -326,6 +326,20 @@ def setup_supervisor(h: TestHost, netns: str | None, env_file: Path | None = Non
     return conf
 
 
+def wait_healthy(h: TestHost, netns: str | None = None, timeout: float = 180) -> None:
+    """Until the host's service answers /health (in `netns` when it runs there): a fixture that
+    starts a service hands it to its tests up, whichever of them runs first (the service imports
+    the real sglang: seconds, more on a loaded machine)."""
+    probe = [sys.executable, "-c", "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)",
+             f"http://127.0.0.1:{h.port}/health"]
+    prefix = ["ip", "netns", "exec", netns] if netns else []
+    deadline = time.monotonic() + timeout
+    while subprocess.run([*prefix, *probe], capture_output=True, check=False).returncode != 0:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{h.name}: the service did not answer /health within {timeout:.0f} s")
+        time.sleep(0.5)
+
+
 def reset_host(h: TestHost, build: BuildInfo, site_cache: Path) -> None:
     """Back to pristine without reinstalling: target files from the cached install (replaced, not
     written in place), added files removed, deploy state and lock gone."""

@@ -48,6 +48,7 @@ def crash_host(bed, algorithm, site_cache, tmp_path_factory):
     inv.write_text(host_toml(bed["ssh"], h, conf, kind="gpu-b", import_check=False, deadline=DEADLINE,
                              launch=f'env_file = "{env_file}"'))
     tb.sh(str(VENV_BIN / "supervisorctl"), "-c", str(conf), "start", "sglang")
+    tb.wait_healthy(h, bed["ssh"].ns)
     yield h, inv, env_file, conf
     tb.sh(str(VENV_BIN / "supervisorctl"), "-c", str(conf), "shutdown", check=False)
 

@@ -142,6 +142,8 @@ def lbed(bed, builds, site_cache, algorithm, tmp_path_factory):
     # both services run pristine SGLang with the flags they had before the tool came
     tb.sh(str(sd.root / "bin" / "systemctl"), "start", "sglang")
     tb.sh(str(VENV_BIN / "supervisorctl"), "-c", str(conf), "start", "sglang")
+    tb.wait_healthy(sd)
+    tb.wait_healthy(sv, ssh.ns)
     yield {"ct-launch": sd, "gpu-launch": sv, "env": {"ct-launch": sd_env, "gpu-launch": sv_env}, "inventory": inv,
            "supervisor": conf}
     tb.sh(str(sd.root / "bin" / "systemctl"), "stop", "sglang", check=False)
