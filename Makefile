@@ -15,7 +15,7 @@ help:
 	@echo "make patch      build build/sglang-<ver>/ of every pin (snapshot/sglang-<ver>/ + patches/<ver>/series) and run the quality gates"
 	@echo "make check      run the quality gates on the current build of every pin"
 	@echo "                PIN=<ver> for one pin: make patch PIN=0.5.16, make check|series PIN=..., make refresh PATCH=... [PIN=...]"
-	@echo "make test       run the test suite (what CI runs; about 12 min on 2 cores, in parallel with pytest-xdist)"
+	@echo "make test       run the test suite (what CI runs; about 23 min on 2 cores: CPU-bound, see docs/TESTING.md; in parallel with pytest-xdist)"
 	@echo "make test-fast  the inner loop: everything but the interpreter, statistical, sshd and slow tiers (under 3 min)"
 	@echo "make push HOST=ct200 | make plan HOST=ct200 | make status HOST=ct200 | make rollback HOST=ct200 [TO=<release>|pristine]"
 	@echo "make bench-serve URL='http://127.0.0.1:30000 ct200' PROMPTS=prompts.jsonl [ARGS='--concurrency 1,4 --plot b.png']"
@@ -38,8 +38,11 @@ series: $(PY)
 
 # Parallel workers (pytest-xdist); each sshd test module starts its own test bed in its worker.
 # The tiers (markers in pyproject.toml): interp, stat, ssh, slow run in `test`, not in `test-fast`.
-# `test` waits on sshd hosts and service restarts most of its time (CPU under half busy with 2
-# workers on 2 cores), so it runs more workers than cores; `test-fast` is CPU-bound and does not.
+# `test` runs more workers than cores so a worker waiting on an sshd host or a service restart
+# leaves the CPU to the others (the suite is CPU-bound on 2 cores: most of its CPU is spent by the
+# bed's services and host agents, which /usr/bin/time does not count; docs/TESTING.md, eighth
+# session); tests/conftest.py starts the known-long tests first, one per worker. `test-fast` is
+# CPU-bound and does not.
 WORKERS ?= 4
 FAST_WORKERS ?= 2
 FAST_TIER := not (interp or stat or ssh or slow or gpu)
