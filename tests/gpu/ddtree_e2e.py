@@ -12,8 +12,9 @@ DDTREE and, with --speculative-ddtree-debug-metrics, the debug metrics.
 
 A budget may also be `auto` (--speculative-ddtree-budget auto, the controller's widths) or
 `autocycle` (auto with SGLANG_DDTREE_AUTO_CYCLE=1: the width changes every round); both must
-match the plain target like a fixed budget, and /get_server_info must show the controller with
-at least two widths run (autocycle: every width).
+match the plain target like a fixed budget (also in the mixed greedy + sampled batches, which
+they serve), and /get_server_info must show the controller with at least two widths run
+(autocycle: every width).
 
 Every server also serves (compared with the plain target's outputs): 40 concurrent requests
 of random prompt and output lengths, and requests with a stop token (ends inside a round).
@@ -432,7 +433,7 @@ def run_config(
         if cfg.auto:
             _phase(cfg, "budget auto: /get_server_info")
             rec["auto"] = auto_check(cfg, port)
-        if cfg.kind == "dflash" or cfg.extras_checks:
+        if cfg.kind == "dflash" or cfg.extras_checks or cfg.auto:
             _phase(cfg, "mixed batch (one request per prompt)")
             rec["mixed"] = mixed_batch(port, prompts, max_new, mixed_timeout)
         if cfg.extras_checks:
@@ -440,7 +441,7 @@ def run_config(
             rec["checks"] = extra_checks(
                 cfg, port, prompts, max_new, rec["outputs"], vocab
             )
-        if cfg.kind == "dflash" or cfg.extras_checks:
+        if cfg.kind == "dflash" or cfg.extras_checks or cfg.auto:
             _phase(cfg, "mixed batch (one batched request)")
             rec.setdefault("checks", {}).update(
                 mixed_batch_check(port, prompts, max_new, rec["outputs"], mixed_timeout)
