@@ -104,6 +104,7 @@ def test_proposer_graph_and_no_host_sync():
         kv_rows = ddtree_utils.kv_rows(kv)  # built inside the first round: no host wait either
         tokens, tdepth, nxt, sib, tree_mask, expected = prop.compute(hs)
         tokens, tdepth, nxt, sib, tree_mask = truncate_tree(tokens, tdepth, nxt, sib, tree_mask, n)
+        tokens, tdepth = tokens.contiguous(), tdepth.contiguous()  # as the worker does
         seq_lens = torch.randint(1, 200, (bs,), device="cuda", generator=gen)
         buf = torch.ones(n * (int(200 + n) * bs), dtype=torch.bool, device="cuda")
         index = ddtree_utils.tree_custom_mask_index(seq_lens, n).view(-1)
@@ -123,6 +124,10 @@ def test_proposer_graph_and_no_host_sync():
     torch.cuda.synchronize()
     assert bool(buf.all())
     assert torch.allclose(rounds.ring[0], expected.sum(0).cpu())
+    # the kernel's walk of the cut tree = the reference walk
+    want = ddtree_utils.verify_greedy_reference(tokens.cpu(), nxt.cpu(), sib.cpu(), predict.cpu(), depth)
+    for a, b in zip((acc, acc_len, bonus), want):
+        assert torch.equal(a.cpu(), b)
 
 
 def _gpu_ms(fn, reps: int = 20) -> float:
