@@ -29,6 +29,7 @@ seconds for costs.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
@@ -38,6 +39,7 @@ __all__ = [
     "CHAIN",
     "OFF",
     "AcceptCalibration",
+    "AutoRounds",
     "BudgetController",
     "CostTable",
     "Option",
@@ -409,3 +411,124 @@ class BudgetController:
             "chosen": {str(k): v for k, v in self.history.items()},
             "last": None if self.last is None else str(self.last),
         }
+
+
+class AutoRounds:
+    """The worker's side of ``auto``: each decode round's width, and the round's results fed
+    back to the :class:`BudgetController` once they reach the host. No host sync.
+
+    Per round the worker calls :meth:`choose` (host batch size -> width), runs the round at that
+    width and calls :meth:`record` with the tree's ``[bs, W]`` expected committed tokens of every
+    width (:func:`expected_committed`, a device tensor) and the round's start / end marks (CUDA
+    events, or host seconds). :meth:`record` sums the rows on the device and copies the ``[W]``
+    sums into a slot of a pinned host ring with ``non_blocking``: issued on the forward stream
+    before the scheduler records its result copy's ``copy_done``, so the copy is complete by the
+    time the scheduler, which waits on ``copy_done``, calls the worker's
+    ``on_verify_complete_cpu`` with the round's accept lengths. That call is
+    :meth:`on_verify_complete_cpu` here: it takes the oldest pending round (the scheduler
+    processes decode results in order; a record whose batch size differs from the accept list's
+    is dropped and counted), reads its ring slot and the round's elapsed time (the end mark is
+    complete by then too), and calls ``observe`` and ``CostTable.observe``. The first timed
+    round of each (bucket, width) cell is dropped (first-use costs: kernel compilation, lazy
+    buffers); the controller then runs that width again in that bucket.
+
+    ``cycle=True`` (``SGLANG_DDTREE_AUTO_CYCLE=1``, the exactness matrix): the widths in turn,
+    one per round, so the width changes every round; the feed still runs (snapshot).
+    """
+
+    def __init__(
+        self,
+        widths: Sequence[int],
+        budget: int,
+        buckets: Sequence[int],
+        graph_sizes: Sequence[int] | None = None,
+        cycle: bool = False,
+        device=None,
+        ring: int = 64,
+        explore_every: int = 64,
+        log_interval: int = 200,
+    ):
+        self.widths = sorted(int(w) for w in widths)
+        if not self.widths or self.widths[0] < 1 or self.widths[-1] > int(budget) + 1:
+            raise ValueError(f"widths must lie in 1..{int(budget) + 1}, got {list(widths)}")
+        self.budget = int(budget)
+        self.index = width_gather_index(self.widths, self.budget, device)
+        table = CostTable(buckets, self.widths, graph_sizes=graph_sizes)
+        self.controller = BudgetController(self.widths, table, explore_every=explore_every)
+        self.cycle = bool(cycle)
+        pin = torch.device(device).type == "cuda" if device is not None else False
+        self.ring = torch.zeros((int(ring), len(self.widths)), dtype=torch.float32, pin_memory=pin)
+        self.slot = 0
+        self.pending: deque = deque()
+        self.rounds = 0
+        self.observed = 0
+        self.dropped = 0
+        self.warm: set = set()
+        self.log_interval = int(log_interval)
+
+    def choose(self, bs: int) -> int:
+        """The width of the next round of ``bs`` requests."""
+        self.rounds += 1
+        if not self.cycle:
+            return int(self.controller.choose(int(bs)))
+        w = self.widths[(self.rounds - 1) % len(self.widths)]
+        self.controller.history[w] += 1
+        self.controller.last = w
+        return w
+
+    def record(self, width: int, expected: Tensor, start=None, end=None) -> None:
+        """One issued round: its width, ``expected`` ``[bs, W]`` (device) and its start / end
+        marks (CUDA events recorded on the forward stream, or host seconds; None: untimed)."""
+        slot = self.slot
+        self.slot = (slot + 1) % self.ring.shape[0]
+        self.ring[slot].copy_(expected.sum(dim=0), non_blocking=True)
+        if len(self.pending) >= self.ring.shape[0] - 1:  # results never came back: forget
+            self.pending.popleft()
+            self.dropped += 1
+        self.pending.append((slot, int(width), int(expected.shape[0]), start, end))
+
+    @staticmethod
+    def _seconds(start, end) -> float | None:
+        if start is None or end is None:
+            return None
+        if isinstance(start, float | int):
+            return float(end) - float(start)
+        if not end.query():  # not complete yet: leave the cell for a later round
+            return None
+        return 1e-3 * float(start.elapsed_time(end))
+
+    def on_verify_complete_cpu(self, num_correct_drafts_per_req: Sequence[int], batch_size: int = 0) -> bool:
+        """The oldest pending round's accept lengths (accepted drafts per request, the bonus
+        not counted). Returns whether this round is one to log."""
+        if not self.pending:
+            return False
+        slot, width, bs, start, end = self.pending.popleft()
+        n = len(num_correct_drafts_per_req)
+        if n != bs:
+            self.dropped += 1
+            return False
+        sums = dict(zip(self.widths, self.ring[slot].tolist()))
+        realised = float(sum(int(x) for x in num_correct_drafts_per_req)) + n
+        self.controller.observe(width, sums, realised, n)
+        seconds = self._seconds(start, end)
+        if seconds is not None and seconds > 0:
+            table = self.controller.table
+            cell = (table.bucket_index(bs), width)
+            if cell in self.warm:
+                table.observe(bs, width, seconds)
+            else:
+                self.warm.add(cell)
+        self.observed += 1
+        return self.log_interval > 0 and self.observed % self.log_interval == 0
+
+    def snapshot(self) -> dict:
+        out = self.controller.snapshot()
+        out.update(
+            widths=list(self.widths),
+            mode="cycle" if self.cycle else "controller",
+            rounds=self.rounds,
+            observed_rounds=self.observed,
+            dropped_rounds=self.dropped,
+        )
+        return out
+

@@ -518,3 +518,62 @@ def test_resolve_auto_refusals():
     args = _args(speculative_ddtree_budget="63")
     assert ds.resolve_ddtree_server_args(args, _dflash, lambda a: 16) == (16, 63, 16)
     assert not hasattr(args, "speculative_ddtree_auto_widths")
+
+
+# ------------------------------------------------------------------------------------------
+# AutoRounds: the worker's feed (choice, ring, lagged observe, timing)
+
+
+def test_auto_rounds_feed_the_controller_one_round_late():
+    """Each round's [bs, W] estimate is summed into its ring slot and read back when that
+    round's accept lengths arrive (later, in order); the realised tokens calibrate the option
+    that ran; the first timed round of a (bucket, width) cell is dropped, later ones fill it."""
+    widths = [2, 4, 8]
+    r = db.AutoRounds(widths, 7, [1, 4, 8], ring=4)
+    g = torch.Generator().manual_seed(0)
+    issued = []
+    for i in range(3):
+        exp = 1 + torch.rand(4, 3, generator=g).cumsum(1)
+        w = r.choose(4)
+        r.record(w, exp, 0.0, 0.001 * (i + 1))
+        issued.append((w, exp))
+    assert r.observed == 0 and len(r.pending) == 3  # nothing read back yet
+    for i, (w, exp) in enumerate(issued):
+        r.on_verify_complete_cpu([1, 0, 2, 1], 4)
+        for j, x in enumerate(widths):
+            assert r.controller.predicted[x] == pytest.approx(float(exp[:, j].sum()) / 4)
+        assert r.controller.calibration.rounds[w] == sum(1 for v, _ in issued[: i + 1] if v == w)
+    # all three rounds ran the narrowest width (warm-up); the first timing was dropped
+    assert [w for w, _ in issued] == [2, 2, 2]
+    assert r.controller.table.cost(4, 2) == pytest.approx(0.002 * 0.9 + 0.003 * 0.1)
+    assert r.snapshot()["observed_rounds"] == 3
+
+
+def test_auto_rounds_cycle_overflow_and_event_timing():
+    """cycle: the widths in turn. A ring whose results never come back forgets its oldest
+    rounds (counted). A timing mark that is not complete yet leaves the cell unmeasured. The
+    marks here stand in for CUDA events (query / elapsed_time), which need a GPU."""
+    r = db.AutoRounds([2, 4, 8], 7, [4], ring=3, cycle=True)
+    assert [r.choose(4) for _ in range(5)] == [2, 4, 8, 2, 4]
+    for _ in range(3):
+        r.record(2, torch.ones(4, 3), None, None)
+    assert len(r.pending) == 2 and r.dropped == 1
+
+    class Mark:
+        def __init__(self, done, ms=0.0):
+            self.done, self.ms = done, ms
+
+        def query(self):
+            return self.done
+
+        def elapsed_time(self, end):
+            return end.ms - self.ms
+
+    r = db.AutoRounds([2, 4], 3, [4])
+    for done in (True, True, False):
+        r.record(4, torch.ones(4, 2), Mark(True), Mark(done, 5.0))
+    for _ in range(3):
+        r.on_verify_complete_cpu([0, 0, 0, 0], 4)
+    assert r.controller.table.cost(4, 4) == pytest.approx(0.005)  # 1st dropped, 3rd not complete
+    with pytest.raises(ValueError, match="widths must lie"):
+        db.AutoRounds([2, 16], 7, [4])

@@ -114,20 +114,40 @@ def validate_ddtree_args(args: str) -> str:
         if name in DDTREE_BOOL_FLAGS and value is not None:
             raise ValueError(f"{name} takes no value, got {value!r}")
         if name == "--speculative-ddtree-budget" and value is not None and value.lower() == DDTREE_AUTO:
-            # The shared rule parses it, but no pin's worker switches widths yet: SGLang would
-            # refuse it at start (docs/DDTREE.md, "--speculative-ddtree-budget auto").
-            raise ValueError("--speculative-ddtree-budget auto is not served by this project's builds yet "
-                             "(the per-round width controller is not plumbed into a worker); give 1..1023")
+            continue  # served by the pins of DDTREE_AUTO_PINS; a push checks the build's pin
         if name in DDTREE_INT_FLAGS:
             lo, hi = DDTREE_INT_FLAGS[name]
             if value is None or not re.fullmatch(r"\d+", value) or int(value) < lo or (hi is not None and int(value) > hi):
                 rng = f"{lo}..{hi}" if hi is not None else f">= {lo}"
                 raise ValueError(f"{name} needs an integer {rng}, got {value!r}")
     budget, width = flags.get("--speculative-ddtree-budget"), flags.get("--speculative-num-draft-tokens")
+    if budget is not None and budget.lower() == DDTREE_AUTO and width is not None:
+        raise ValueError("--speculative-ddtree-budget auto chooses the verify width per round; "
+                         f"drop --speculative-num-draft-tokens (got {width!r})")
     if budget is not None and width is not None and (not width.isdigit() or int(width) != int(budget) + 1):
         raise ValueError(f"--speculative-num-draft-tokens is the DDTREE verify width and must be "
                          f"--speculative-ddtree-budget + 1 = {int(budget) + 1}, got {width!r}")
     return " ".join(toks)
+
+
+# SGLang pins whose DDTREE worker serves `--speculative-ddtree-budget auto` (the others refuse it at
+# start: docs/DDTREE.md, "--speculative-ddtree-budget auto").
+DDTREE_AUTO_PINS = ("0.5.16",)
+
+
+def auto_budget_refusal(args: str | None, sglang_version: str) -> str | None:
+    """Why a build of `sglang_version` cannot start with the DDTREE flags `args` (budget auto on a pin
+    that does not serve it), or None."""
+    budget = None
+    toks = (args or "").split()
+    for i, tok in enumerate(toks):
+        name, eq, value = tok.partition("=")
+        if name == "--speculative-ddtree-budget":
+            budget = value if eq else (toks[i + 1] if i + 1 < len(toks) else None)
+    if budget is None or budget.lower() != DDTREE_AUTO or sglang_version in DDTREE_AUTO_PINS:
+        return None
+    return (f"--speculative-ddtree-budget auto is served on SGLang {', '.join(DDTREE_AUTO_PINS)} only; "
+            f"this build is for {sglang_version} (give a budget 1..1023)")
 
 
 # -- the env file ------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from ..config.launch import (
     SPEC_INFO,
     EnvChange,
     algorithm_of,
+    auto_budget_refusal,
     parse_env,
     render_env,
     sha256_of,
@@ -49,6 +50,9 @@ def for_push(t: Transport, build: BuildInfo, facts: HostFacts) -> EnvChange | No
     before = read_host_file(t, lc.env_file, facts)
     after = before
     if build_has_ddtree(build):
+        refusal = auto_budget_refusal(lc.ddtree_args, build.sglang_version)
+        if refusal is not None:
+            raise RemoteRefused(f"{h.name}: {lc.env_file}: {refusal} (nothing changed)")
         try:
             after = render_env(before, lc.variable, lc.ddtree_args)
         except ValueError as exc:

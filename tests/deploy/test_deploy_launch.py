@@ -86,8 +86,8 @@ env_file = "/etc/sglang/ddtree.env"
     ('ddtree_args = "--speculative-algorithm DFLASH"', "hosts.gpu.launch.ddtree_args: must say `--speculative-algorithm DDTREE`"),
     ('ddtree_args = "--speculative-ddtree-budget 63"', "must turn DDTREE on"),
     ('ddtree_args = "--speculative-algorithm DDTREE --speculative-ddtree-budget 2048"', "--speculative-ddtree-budget needs an integer 1..1023, got '2048'"),
-    ('ddtree_args = "--speculative-algorithm DDTREE --speculative-ddtree-budget auto"',
-     "--speculative-ddtree-budget auto is not served by this project's builds yet"),
+    ('ddtree_args = "--speculative-algorithm DDTREE --speculative-ddtree-budget auto --speculative-num-draft-tokens 16"',
+     "auto chooses the verify width per round; drop --speculative-num-draft-tokens"),
     ('ddtree_args = "--speculative-algorithm DDTREE --speculative-ddtree-budgit 7"', "unknown DDTREE flag --speculative-ddtree-budgit"),
     ('ddtree_args = "--speculative-algorithm DDTREE --speculative-draft-model-path \\"/m/a b\\""', "cannot carry safely"),
     ('ddtree_args = "--speculative-algorithm DDTREE --speculative-ddtree-budget 7 --speculative-num-draft-tokens 16"',
@@ -362,3 +362,50 @@ def test_env_file_budget_change_is_restart_pending(lbed, builds, lenv):
     assert env_bytes(env_file) == pristine_env and tb.tree_digest(h.sglang) == pristine_tree
     st = status("ct-launch", lenv)
     assert st["healthy"] and st["launch"]["restart_pending"] == [], st["launch"]
+
+
+def test_budget_auto_passes_the_inventory_and_is_refused_for_a_pin_without_it(tmp_path):
+    """`auto` is valid inventory (the pin is known only at push); a push checks the build's pin:
+    0.5.16 serves it, 0.5.13.post1 refuses it at start, so the push refuses it first."""
+    p = tmp_path / "hosts.toml"
+    args = "--speculative-algorithm DDTREE --speculative-ddtree-budget AUTO"
+    p.write_text(INV + f'ddtree_args = "{args}"\n')
+    assert load_inventory(p).get("gpu").launch.ddtree_args == args
+    assert launch.auto_budget_refusal(args, "0.5.16") is None
+    for fixed in ("--speculative-algorithm DDTREE --speculative-ddtree-budget 63", "--speculative-algorithm DDTREE"):
+        assert launch.auto_budget_refusal(fixed, "0.5.13.post1") is None
+    for form in (args, "--speculative-algorithm DDTREE --speculative-ddtree-budget=auto"):
+        msg = launch.auto_budget_refusal(form, "0.5.13.post1")
+        assert msg is not None and "served on SGLang 0.5.16 only" in msg and "0.5.13.post1" in msg
+
+
+@pytest.mark.parametrize(("version", "refused"), [("0.5.13.post1", True), ("0.5.16", False)])
+def test_push_of_budget_auto_checks_the_builds_pin(tmp_path, version, refused):
+    """envfile.for_push with `auto` in ddtree_args: a DDTREE build of 0.5.13.post1 is refused
+    before anything is written (RemoteRefused names the pin), one of 0.5.16 renders the file. The
+    env file is read from the host facts, so no connection is made: the transport is a stand-in
+    holding only the inventory host (the sshd push tests above cover the rest of the path)."""
+    from types import SimpleNamespace
+
+    from ddtree_deploy.deploy.build.buildinfo import BuildFile, BuildInfo
+    from ddtree_deploy.deploy.errors import RemoteRefused
+    from ddtree_deploy.deploy.remote import envfile
+    from ddtree_deploy.deploy.remote.facts import HostFacts
+
+    p = tmp_path / "hosts.toml"
+    args = "--speculative-algorithm DDTREE --speculative-ddtree-budget auto"
+    p.write_text(INV + f'ddtree_args = "{args}"\n')
+    host = load_inventory(p).get("gpu")
+    root = tmp_path / "build"
+    (root / "srt/speculative").mkdir(parents=True)
+    (root / launch.SPEC_INFO).write_text("class SpeculativeAlgorithm:\n    DDTREE = 1\n")
+    build = BuildInfo(root, version, "b1", "s", "m", [], {launch.SPEC_INFO: BuildFile(launch.SPEC_INFO, "x", 1, "y")})
+    before = b'SGLANG_SPEC_ARGS="--speculative-algorithm DFLASH"\n'
+    facts = HostFacts("/p", "/s", version, {}, None, None, [], {}, reads={host.launch.env_file: before})
+    t = SimpleNamespace(host=host)
+    if refused:
+        with pytest.raises(RemoteRefused, match="served on SGLang 0.5.16 only; this build is for 0.5.13.post1"):
+            envfile.for_push(t, build, facts)
+    else:
+        change = envfile.for_push(t, build, facts)
+        assert change.before == before and args.encode() in change.after

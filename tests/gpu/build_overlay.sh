@@ -12,7 +12,7 @@ rev=${2:-HEAD}
 pin=${PIN:-0.5.13.post1}
 src=$(mktemp -d); trap 'rm -rf "$src"' EXIT
 # ddtree_utils.py and the sibling modules a build may ship (deploy/build/series.py SHIPPED_MODULES)
-mods=$(git -C "$root" ls-tree --name-only "$rev" -- ddtree_utils.py ddtree_triton.py ddtree_serving.py)
+mods=$(git -C "$root" ls-tree --name-only "$rev" -- ddtree_utils.py ddtree_triton.py ddtree_serving.py ddtree_budget.py)
 git -C "$root" archive "$rev" snapshot patches $mods | tar -x -C "$src"
 rm -rf "$out"; mkdir -p "$out"
 cp -r "$src/snapshot/sglang-$pin/srt" "$out/"
@@ -21,7 +21,7 @@ cp -r "$src/snapshot/sglang-$pin/srt" "$out/"
 done
 cp "$src/ddtree_utils.py" "$out/srt/speculative/ddtree_utils.py"
 # as deploy/build.ship_modules: a sibling ships when a file of the overlay imports it by name
-for m in ddtree_serving ddtree_triton; do  # serving first: ddtree_utils (copied) imports triton
+for m in ddtree_serving ddtree_budget ddtree_triton; do  # triton last: ddtree_utils (copied) imports it
   if [ -f "$src/$m.py" ] && grep -rqE "^[[:space:]]*(from|import)[[:space:]].*\b$m\b|^[[:space:]]+$m,?\$" --include=*.py "$out/srt"; then
     cp "$src/$m.py" "$out/srt/speculative/$m.py"
   fi

@@ -10,6 +10,12 @@ DDTREE and, with --speculative-ddtree-debug-metrics, the debug metrics.
 
   python3 tests/gpu/ddtree_e2e.py --out OUT [--pin 0.5.16] [--backends triton,flashinfer] [--budgets 1,15,63,255]
 
+A budget may also be `auto` (--speculative-ddtree-budget auto, the controller's widths) or
+`autocycle` (auto with SGLANG_DDTREE_AUTO_CYCLE=1: the width changes every round); both must
+match the plain target like a fixed budget (also in the mixed greedy + sampled batches, which
+they serve), and /get_server_info must show the controller with at least two widths run
+(autocycle: every width).
+
 Every server also serves (compared with the plain target's outputs): 40 concurrent requests
 of random prompt and output lengths, and requests with a stop token (ends inside a round).
 DFLASH and the extra-check DDTREE servers serve a mixed batch (greedy and T 0.7 / top-p 0.9
@@ -90,12 +96,30 @@ class Config:
     kind: str  # base | dflash | ddtree
     extras_checks: bool = False
     debug_metrics: bool = False
+    auto: str = ""  # "", "auto" or "autocycle" (budget auto; cycling the widths)
     env: dict = field(default_factory=dict)
     result: dict = field(default_factory=dict)
 
 
+AUTO_BUDGETS = ("auto", "autocycle")
+
+
+def parse_budgets(text: str) -> list:
+    """--budgets: integers and auto / autocycle."""
+    out = []
+    for b in text.split(","):
+        b = b.strip().lower()
+        if b in AUTO_BUDGETS:
+            out.append(b)
+        elif b.isdigit():
+            out.append(int(b))
+        else:
+            raise SystemExit(f"--budgets: {b!r} is not an integer, auto or autocycle")
+    return out
+
+
 def build_matrix(
-    backends: list[str], budgets: list[int], graphs: list[str]
+    backends: list[str], budgets: list, graphs: list[str]
 ) -> list[Config]:
     """base and DFLASH per backend, DDTREE per budget x graph mode; extra checks on budget 15."""
     out: list[Config] = []
@@ -112,10 +136,17 @@ def build_matrix(
         for b in budgets:
             for g in graphs:
                 extras = b == 15
+                auto = b if b in AUTO_BUDGETS else ""
                 extra = (
                     "--speculative-algorithm DDTREE --speculative-draft-model-path {draft} "
-                    f"--speculative-ddtree-budget {b}"
+                    f"--speculative-ddtree-budget {'auto' if auto else b}"
                 )
+                env = {}
+                if (extras or auto) and g == "cg":
+                    # host syncs inside the round reported in the log (0.5.16 worker)
+                    env["SGLANG_DDTREE_SYNC_DEBUG"] = "1"
+                if auto == "autocycle":
+                    env["SGLANG_DDTREE_AUTO_CYCLE"] = "1"
                 if g == "eager":
                     extra += " --disable-cuda-graph"
                 if extras and g == "cg":
@@ -128,8 +159,8 @@ def build_matrix(
                         "ddtree",
                         extras_checks=extras,
                         debug_metrics=extras and g == "cg",
-                        # host syncs inside the round reported in the log (0.5.16 worker)
-                        env={"SGLANG_DDTREE_SYNC_DEBUG": "1"} if extras and g == "cg" else {},
+                        auto=auto,
+                        env=env,
                     )
                 )
     return out
@@ -399,7 +430,10 @@ def run_config(
         _phase(cfg, "concurrent + stop")
         rec["concurrent_outputs"] = concurrent(port, conc, 300)
         rec["stop_outputs"] = concurrent(port, stop, 300)
-        if cfg.kind == "dflash" or cfg.extras_checks:
+        if cfg.auto:
+            _phase(cfg, "budget auto: /get_server_info")
+            rec["auto"] = auto_check(cfg, port)
+        if cfg.kind == "dflash" or cfg.extras_checks or cfg.auto:
             _phase(cfg, "mixed batch (one request per prompt)")
             rec["mixed"] = mixed_batch(port, prompts, max_new, mixed_timeout)
         if cfg.extras_checks:
@@ -407,7 +441,7 @@ def run_config(
             rec["checks"] = extra_checks(
                 cfg, port, prompts, max_new, rec["outputs"], vocab
             )
-        if cfg.kind == "dflash" or cfg.extras_checks:
+        if cfg.kind == "dflash" or cfg.extras_checks or cfg.auto:
             _phase(cfg, "mixed batch (one batched request)")
             rec.setdefault("checks", {}).update(
                 mixed_batch_check(port, prompts, max_new, rec["outputs"], mixed_timeout)
@@ -460,6 +494,29 @@ def stop_server(proc: subprocess.Popen) -> None:
         return
 
 
+def auto_check(cfg: Config, port: int) -> dict:
+    """Budget auto after the greedy, concurrent and stop requests: /get_server_info's
+    internal_states carry the controller's snapshot; at least two widths ran (autocycle: all)."""
+    states = get(port, "/get_server_info").get("internal_states") or [{}]
+    snap = states[0].get("ddtree_budget_auto") or {}
+    chosen = {w: n for w, n in (snap.get("chosen") or {}).items() if n}
+    widths = snap.get("widths") or []
+    need = len(widths) if cfg.auto == "autocycle" else 2
+    return {
+        "widths": widths,
+        "mode": snap.get("mode"),
+        "chosen": snap.get("chosen"),
+        "observed_rounds": snap.get("observed_rounds"),
+        "dropped_rounds": snap.get("dropped_rounds"),
+        "cost_table": snap.get("cost_table"),
+        "expected_committed": snap.get("expected_committed"),
+        "ok": bool(snap)
+        and snap.get("mode") == ("cycle" if cfg.auto == "autocycle" else "controller")
+        and len(chosen) >= max(need, 1)
+        and (snap.get("observed_rounds") or 0) > 0,
+    }
+
+
 def compare(configs: list[Config]) -> None:
     """Per backend: every config's greedy outputs vs the base's and DFLASH's."""
     by_name = {c.name: c for c in configs}
@@ -506,6 +563,8 @@ def passed(c: Config) -> bool:
     for key in ("concurrent_match_base", "stop_match_base"):
         if r.get(key) is False:
             return False
+    if c.auto and not (r.get("auto") or {}).get("ok"):
+        return False
     # Upstream DFLASH's mixed-batch result is recorded, not required.
     if c.kind == "ddtree" and "mixed" in r and not r["mixed"].get("ok"):
         return False
@@ -525,7 +584,11 @@ def passed(c: Config) -> bool:
 
 
 def _sync_note(r: dict) -> str:
-    return "" if "round_host_syncs" not in r else f", host syncs in round: {r['round_host_syncs']}"
+    note = "" if "round_host_syncs" not in r else f", host syncs in round: {r['round_host_syncs']}"
+    if r.get("auto") is not None:
+        a = r["auto"]
+        note += f", auto {'ok' if a.get('ok') else 'FAIL'} ran {a.get('chosen')}"
+    return note
 
 
 def _mixed_cell(m) -> str:
@@ -597,7 +660,7 @@ def main() -> int:
 
     configs = build_matrix(
         a.backends.split(","),
-        [int(b) for b in a.budgets.split(",")],
+        parse_budgets(a.budgets),
         a.graphs.split(","),
     )
     if a.only:

@@ -70,8 +70,9 @@ def test_proposer_graph_and_no_host_sync():
     bs, budget, depth, k, hidden = 4, 63, 15, 16, 256
     gen = torch.Generator(device="cuda").manual_seed(0)
     weight = torch.randn(VOCAB, hidden, device="cuda", generator=gen, dtype=torch.bfloat16)
+    widths = [8, 16, 32, 64]  # budget auto: the graph also prices every width
     prop = DDTreeProposer(weight=weight, num_org=VOCAB, org_vocab_start=0, block_size=BLOCK,
-                          budget=budget, topk=k, max_depth=depth, max_bs=bs)
+                          budget=budget, topk=k, max_depth=depth, max_bs=bs, widths=widths)
     hs = torch.randn(bs * BLOCK, hidden, device="cuda", generator=gen, dtype=torch.bfloat16)
     eager = prop.compute(hs)  # first call builds the kernels' tables
     static = hs.clone()
@@ -86,15 +87,24 @@ def test_proposer_graph_and_no_host_sync():
     static.copy_(hs)
     graph.replay()
     torch.cuda.synchronize()
+    assert eager[5].shape == (bs, len(widths))
     for a, b in zip(prop.captured(bs), eager):
         assert torch.equal(a, b)
 
-    n = budget + 1
+    # one round of budget auto at width 16: the tree cut to the width, the estimate's D2H into
+    # the pinned ring (ddtree_budget.AutoRounds), all without a host sync
+    from sglang.srt.speculative.ddtree_budget import AutoRounds, truncate_tree
+
+    rounds = AutoRounds(widths, budget, [1, bs], device="cuda")
+    assert rounds.ring.is_pinned()
+    n = 16
     kv = [torch.zeros(bs * (n + depth + 1) + 1, 8, 16, device="cuda", dtype=torch.bfloat16)]
     torch.cuda.set_sync_debug_mode("error")
     try:
         kv_rows = ddtree_utils.kv_rows(kv)  # built inside the first round: no host wait either
-        tokens, tdepth, nxt, sib, tree_mask = prop.compute(hs)
+        tokens, tdepth, nxt, sib, tree_mask, expected = prop.compute(hs)
+        tokens, tdepth, nxt, sib, tree_mask = truncate_tree(tokens, tdepth, nxt, sib, tree_mask, n)
+        tokens, tdepth = tokens.contiguous(), tdepth.contiguous()  # as the worker does
         seq_lens = torch.randint(1, 200, (bs,), device="cuda", generator=gen)
         buf = torch.ones(n * (int(200 + n) * bs), dtype=torch.bool, device="cuda")
         index = ddtree_utils.tree_custom_mask_index(seq_lens, n).view(-1)
@@ -108,10 +118,16 @@ def test_proposer_graph_and_no_host_sync():
         ddtree_utils.kv_move_locs(slots, path, n, depth)
         ddtree_utils.move_kv_rows(kv_rows, *ddtree_utils.kv_path_locs(slots, path, n, depth))
         ddtree_utils.restore_true_mask(buf, index)
+        rounds.record(n, expected, None, None)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     assert bool(buf.all())
+    assert torch.allclose(rounds.ring[0], expected.sum(0).cpu())
+    # the kernel's walk of the cut tree = the reference walk
+    want = ddtree_utils.verify_greedy_reference(tokens.cpu(), nxt.cpu(), sib.cpu(), predict.cpu(), depth)
+    for a, b in zip((acc, acc_len, bonus), want):
+        assert torch.equal(a.cpu(), b)
 
 
 def _gpu_ms(fn, reps: int = 20) -> float:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import re
 import shlex
 from pathlib import Path
 from types import SimpleNamespace
@@ -180,26 +179,6 @@ def test_other_algorithms_are_unchanged(parse):
 def test_invalid_configurations(parse, extra, message):
     with pytest.raises(ValueError, match=message):
         parse("--attention-backend triton " + extra)
-
-
-@pytest.mark.parametrize(
-    ("extra", "widths"),
-    [
-        ("--cuda-graph-max-bs 16", [8, 16, 32, 64, 128, 256]),
-        ("--cuda-graph-max-bs 48", [8, 16, 32, 64]),
-        ("--disable-cuda-graph --max-running-requests 8", [8, 16, 32, 64, 128, 256]),
-    ],
-)
-def test_budget_auto_resolves_its_widths_then_is_refused(parse, extra, widths):
-    """--speculative-ddtree-budget auto parses on this pin's CLI (ddtree_serving's type parser)
-    and resolves to the widths of the memory rule at the largest graph batch (or the running
-    cap); the worker does not switch widths yet, so the start-up refuses it, naming them."""
-    with pytest.raises(ValueError, match=re.escape(f"verify widths {widths}") + ".*does not switch"):
-        parse(f"--attention-backend triton --speculative-ddtree-budget auto {extra}")
-    with pytest.raises(SystemExit):  # argparse: not an integer nor auto
-        parse("--attention-backend triton --speculative-ddtree-budget 63x")
-    with pytest.raises(ValueError, match="drop --speculative-num-draft-tokens"):
-        parse("--attention-backend triton --speculative-ddtree-budget AUTO --speculative-num-draft-tokens 16")
 
 
 def test_backend_without_tree_mask_is_refused(parse):
@@ -660,11 +639,11 @@ def test_target_predict_samples_each_request_with_its_own_parameters():
     top2 = logits.topk(2, dim=-1).indices.view(bs, n, 2)
     probs = torch.softmax(logits, -1).view(bs, n, vocab)  # request 2 runs at T = 1
     min_p_ok = probs[2] >= 0.6 * probs[2].max(-1, keepdim=True).values  # [n, V]
-    draws = torch.stack([DDTreeWorkerV2._target_predict(worker, logits, info, bs) for _ in range(40)])
+    draws = torch.stack([DDTreeWorkerV2._target_predict(worker, logits, info, bs, n) for _ in range(40)])
     assert draws.shape == (40, bs, n) and draws.dtype == torch.int64
     assert torch.equal(draws[:, 0], argmax[0].expand(40, n))
     assert (draws[:, 1, :, None] == top2[1]).any(-1).all()
     assert (draws[:, 1] != argmax[1]).any()  # it samples, not argmax every time
     assert min_p_ok.gather(1, draws[:, 2].T).all()
     info.is_all_greedy = True
-    assert torch.equal(DDTreeWorkerV2._target_predict(worker, logits, info, bs), argmax)
+    assert torch.equal(DDTreeWorkerV2._target_predict(worker, logits, info, bs, n), argmax)

@@ -1,0 +1,328 @@
+"""--speculative-ddtree-budget auto on SGLang 0.5.16 (patched), on the CPU, in the child Python of
+test_v2_pin.py.
+
+Real sglang 0.5.16 modules with the build laid over them: server args through the real
+prepare_server_args, the real DDTreeProposer (draft-graph tail hook) pricing every width, the real
+ddtree_budget.AutoRounds feed, DDTreeWorkerV2.on_verify_complete_cpu / get_ddtree_server_info, the
+scheduler's real _resolve_spec_v2_tokens and get_internal_state. What needs a GPU (the draft and
+target forwards, the per-width CUDA-graph capture, CUDA events) is stood in for where it is used,
+and said so there; tests/gpu/ddtree_e2e.py runs the server with `auto`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import json
+import shlex
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import ddtree_budget as db
+import ddtree_utils as du
+
+_FIX = Path(__file__).resolve().parents[2] / "sglang" / "fixtures.py"
+_spec = importlib.util.spec_from_file_location("ddtree_fixtures_v2_auto", _FIX)
+fixtures = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(fixtures)
+
+BLOCK = fixtures.draft_config()["block_size"]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return fixtures.write_model_dirs(tmp_path_factory.mktemp("tiny"), block_size=BLOCK)
+
+
+@pytest.fixture(scope="module")
+def parse(models):
+    from sglang.srt.server_args import prepare_server_args
+
+    def _parse(extra: str = ""):
+        argv = ["--model-path", str(models.target), "--device", "cuda", "--speculative-algorithm", "DDTREE",
+                "--speculative-draft-model-path", str(models.draft), "--attention-backend", "triton"]
+        return prepare_server_args([*argv, *shlex.split(extra)])
+
+    return _parse
+
+
+# ------------------------------------------------------------------------------------------
+# Server args and the round feed's buckets
+
+
+@pytest.mark.parametrize(
+    ("extra", "widths"),
+    [
+        ("--cuda-graph-max-bs 16", [8, 16, 32, 64, 128, 256]),
+        ("--cuda-graph-max-bs 48", [8, 16, 32, 64]),
+        ("--disable-cuda-graph --max-running-requests 8", [8, 16, 32, 64, 128, 256]),
+    ],
+)
+def test_budget_auto_resolves_its_widths_and_is_served(parse, extra, widths):
+    """auto parses, resolves the widths of the memory rule at the largest graph batch (or the
+    running cap) and starts: the widest width sizes the round; the worker's round feed gets the
+    widths and cost buckets (the graph batch sizes, plus the running cap above them)."""
+    from sglang.srt.speculative.ddtree_auto_v2 import auto_rounds
+
+    args = parse(f"--speculative-ddtree-budget auto {extra}")
+    assert args.speculative_ddtree_auto_widths == widths
+    assert args.speculative_ddtree_budget == widths[-1] - 1
+    assert args.speculative_num_draft_tokens == widths[-1]
+    rounds = auto_rounds(args, "cpu")
+    assert rounds.widths == widths and not rounds.cycle
+    table = rounds.controller.table
+    graph_bs = [] if args.disable_cuda_graph else sorted(set(args.cuda_graph_config.decode.bs))
+    cap = int(args.max_running_requests)
+    if graph_bs:
+        assert table.buckets == graph_bs + ([cap] if cap > graph_bs[-1] else [])
+        assert table.graph_sizes == graph_bs
+    else:
+        assert table.buckets[-1] == cap and all(b & (b - 1) == 0 for b in table.buckets[:-1])
+    # a fixed budget has no feed
+    assert auto_rounds(parse("--speculative-ddtree-budget 15"), "cpu") is None
+    with pytest.raises(SystemExit):  # argparse: not an integer nor auto
+        parse("--speculative-ddtree-budget 63x")
+    with pytest.raises(ValueError, match="drop --speculative-num-draft-tokens"):
+        parse("--speculative-ddtree-budget AUTO --speculative-num-draft-tokens 16")
+
+
+def test_cycle_switch(monkeypatch, parse):
+    from sglang.srt.speculative.ddtree_auto_v2 import CYCLE_ENV, auto_rounds, cycle_mode
+
+    for value, want in (("1", True), ("0", False), ("", False), ("on", True)):
+        monkeypatch.setenv(CYCLE_ENV, value)
+        assert cycle_mode() is want
+    monkeypatch.setenv(CYCLE_ENV, "sometimes")
+    with pytest.raises(ValueError, match=CYCLE_ENV):
+        cycle_mode()
+    monkeypatch.setenv(CYCLE_ENV, "1")
+    rounds = auto_rounds(parse("--speculative-ddtree-budget auto --cuda-graph-max-bs 16"), "cpu")
+    assert rounds.cycle
+    assert [rounds.choose(3) for _ in range(8)] == [8, 16, 32, 64, 128, 256, 8, 16]
+
+
+# ------------------------------------------------------------------------------------------
+# Per-width verify states (the GPU part stood in)
+
+
+def test_verify_states_are_built_at_each_width_and_switched_around_the_verify(parse):
+    """build_verify_states overrides the real server args' verify width while it builds each
+    width's attention backend and restores it after; verify_width swaps the runner's backend and
+    graph runner in and back. The model runner is a stand-in (its backends and CUDA graphs need a
+    GPU): it records the width the server args say at each backend build."""
+    from sglang.srt.speculative.ddtree_auto_v2 import build_verify_states, verify_width
+
+    args = parse("--speculative-ddtree-budget auto --cuda-graph-max-bs 16")
+    widest = args.speculative_num_draft_tokens
+
+    class Runner(SimpleNamespace):
+        def _get_attention_backend(self, init_new_workspace=False):
+            assert init_new_workspace
+            self.init_new_workspace = True  # as the real one leaves it
+            return ("backend", int(self.server_args.speculative_num_draft_tokens))
+
+    own = ("backend", widest)
+    runner = Runner(server_args=args, attn_backend=own, decode_cuda_graph_runner=None,
+                    device="cpu", init_new_workspace=False)
+    states = build_verify_states(runner, args.speculative_ddtree_auto_widths, capture=False, log=False)
+    assert sorted(states) == args.speculative_ddtree_auto_widths
+    for w, st in states.items():
+        assert st.width == w and st.attn_backend == (own if w == widest else ("backend", w))
+        assert st.graph_runner is None  # eager: CUDA graphs off
+    assert args.speculative_num_draft_tokens == widest and runner.init_new_workspace is False
+    with verify_width(runner, states[8]):
+        assert runner.attn_backend == ("backend", 8) and runner.decode_cuda_graph_runner is None
+    assert runner.attn_backend is own
+    with pytest.raises(RuntimeError), verify_width(runner, states[16]):
+        raise RuntimeError("a failed verify")
+    assert runner.attn_backend is own  # restored on errors too
+
+
+# ------------------------------------------------------------------------------------------
+# The round at changing widths: exact, and the feed carries the tree's estimate
+
+
+def _proposer(widths, block, vocab, k):
+    from sglang.srt.speculative.ddtree_worker_v2 import DDTreeProposer
+
+    # lm_head = identity: the draft block's hidden states are its logits (vocab = hidden)
+    return DDTreeProposer(weight=torch.eye(vocab), num_org=vocab, org_vocab_start=0, block_size=block,
+                          budget=max(widths) - 1, topk=k, max_depth=block - 1, max_bs=8, widths=widths)
+
+
+def test_proposer_prices_every_width(parse):
+    """With widths the proposer also returns, and writes in the capture hook, each width's
+    expected committed tokens of its tree (ddtree_budget.expected_committed of the tree's scores)."""
+    widths, block, vocab, k = [2, 4, 8, 16], 5, 12, 4
+    prop = _proposer(widths, block, vocab, k)
+    g = torch.Generator().manual_seed(0)
+    hs = torch.randn(3 * block, vocab, generator=g) * 2
+    expected = prop.compute(hs)[5]
+    logp, ids = du.draft_topk_logprobs(hs.view(3, block, vocab)[:, 1:], k, backend="torch")
+    tree = du.build_tree(logp, ids, max(widths) - 1, topk_cap=k, backend="torch")
+    want = db.expected_committed(tree.score, db.width_gather_index(widths, max(widths) - 1))
+    assert torch.allclose(expected, want)
+    assert bool((expected[:, 1:] >= expected[:, :-1]).all()) and bool((expected >= 1).all())
+    prop(hs)
+    *_, captured = prop.captured(3)
+    assert torch.equal(captured, expected)
+    from sglang.srt.speculative.ddtree_worker_v2 import DDTreeProposer
+
+    plain = DDTreeProposer(weight=torch.eye(vocab), num_org=vocab, org_vocab_start=0, block_size=block,
+                           budget=15, topk=k, max_depth=block - 1, max_bs=8)  # a fixed budget
+    assert plain.compute(hs)[5] is None and plain.captured(3)[5] is None
+
+
+def _worker_stub(rounds):
+    """The worker fields on_verify_complete_cpu / get_ddtree_server_info read (a DDTreeWorkerV2
+    needs a GPU model runner to construct)."""
+    return SimpleNamespace(_auto=rounds, debug_metrics=None, ps=SimpleNamespace(tp_rank=0))
+
+
+def _resolve(worker, out, commit, block, bs):
+    """The scheduler's real _resolve_spec_v2_tokens on a round's result (the scheduler and the
+    requests are stand-ins: a Req needs a tokenizer and a running scheduler); it calls the real
+    DDTreeWorkerV2.on_verify_complete_cpu."""
+    from sglang.srt.managers.scheduler_components.batch_result_processor import (
+        SchedulerBatchResultProcessor as BatchResultProcessor,
+    )
+    from sglang.srt.speculative.ddtree_worker_v2 import DDTreeWorkerV2
+
+    class Req(SimpleNamespace):
+        def finished(self):
+            return False
+
+        def update_spec_correct_drafts_histogram(self, n):
+            pass
+
+    reqs = [Req(is_retracted=False, grammar=None, kv_committed_len=0, spec_verify_ct=0,
+                spec_num_correct_drafts=0) for _ in range(bs)]
+    owner = SimpleNamespace(model_worker=SimpleNamespace(
+        on_verify_complete_cpu=lambda per_req, batch_size=0: DDTreeWorkerV2.on_verify_complete_cpu(
+            worker, per_req, batch_size)))
+    result = SimpleNamespace(next_token_ids=out.reshape(-1), accept_lens=commit, block_accept_lens=None,
+                             cap_lens=None, speculative_num_draft_tokens=block)
+    return BatchResultProcessor._resolve_spec_v2_tokens(owner, result, SimpleNamespace(reqs=reqs))
+
+
+@pytest.mark.parametrize("cycle", [True, False])
+def test_rounds_at_changing_widths_give_the_targets_greedy_tokens(cycle):
+    """6 requests, 24 rounds: the width of each round from the real AutoRounds (cycle: every
+    width in turn; controller: warm-up over every width, then its choice from a synthetic cost
+    model), the tree built at the widest budget by the real proposer and cut to the width
+    (ddtree_budget.truncate_tree, as the worker does), the walk and commit layout of the worker
+    (ddtree_utils), the result through the scheduler's _resolve_spec_v2_tokens, which feeds the
+    worker's on_verify_complete_cpu one round late (overlap). Target: a bigram table; the
+    drafter's logits are the target's along its greedy chain plus noise. The tokens are the
+    target's greedy continuation, computed here; the controller saw the tree's own estimate."""
+    widths, block, vocab, k, bs = [2, 4, 8, 16], 5, 12, 4, 6
+    depth, n_full = block - 1, max(widths)
+    g = torch.Generator().manual_seed(7)
+    table = torch.randn(vocab, vocab, generator=g) * 3  # target logits of the next token given the last
+    prop = _proposer(widths, block, vocab, k)
+    rounds = db.AutoRounds(widths, n_full - 1, [1, 2, 4, 8], cycle=cycle, explore_every=5)
+    worker = _worker_stub(rounds)
+    root = torch.randint(0, vocab, (bs,), generator=g)
+    seqs = [[int(r)] for r in root]
+    ran, waiting, accepted = [], None, 0
+    for _ in range(24):
+        # draft block hidden states = logits: depth d scores the target's chain token d + noise
+        hs = torch.zeros(bs, block, vocab)
+        tok = root.clone()
+        for d in range(1, block):
+            hs[:, d] = table[tok] + torch.randn(bs, vocab, generator=g) * 2.5
+            tok = table[tok].argmax(-1)
+        tokens, tdepth, next_token, next_sibling, tree_mask, expected = prop.compute(hs.view(bs * block, vocab))
+        tokens[:, 0].copy_(root)
+        w = rounds.choose(bs)
+        ran.append(w)
+        tokens, tdepth, next_token, next_sibling, tree_mask = db.truncate_tree(
+            tokens, tdepth, next_token, next_sibling, tree_mask, w)
+        predict = table[tokens].argmax(-1)  # [bs, w] the target's greedy next token at each node
+        index = torch.arange(bs * w).view(bs, w)
+        acc_idx, acc_len, bonus = du.accept_tree_greedy(tokens, predict, index, next_token, next_sibling, depth)
+        out, commit, _ = du.tree_commit_layout(acc_idx, acc_len, bonus, tokens, block)
+        accepted += int(acc_len.sum())
+        rounds.record(w, expected, 0.0, 1e-3 * (1.0 + 0.05 * bs * w))  # synthetic seconds
+        if waiting is not None:  # the previous round's results reach the host now
+            for b, toks in enumerate(_resolve(worker, *waiting[:4])):
+                seqs[b] += toks
+        waiting = (out, commit, block, bs, expected.sum(0))
+        root = bonus
+    last_sums = waiting[4]
+    for b, toks in enumerate(_resolve(worker, *waiting[:4])):
+        seqs[b] += toks
+    assert accepted > bs  # drafts landed
+    for s in seqs:
+        want = s[:1]
+        while len(want) < len(s):
+            want.append(int(table[want[-1]].argmax()))
+        assert s == want
+    assert len(set(ran)) == len(widths) and any(a != b for a, b in itertools.pairwise(ran))
+    if cycle:
+        assert ran == [widths[i % len(widths)] for i in range(len(ran))]
+    # the controller's estimate is the last round's tree estimate (through the ring)
+    for w, s in zip(widths, last_sums.tolist()):
+        assert rounds.controller.predicted[w] == pytest.approx(s / bs)
+    assert rounds.observed == 24 and rounds.dropped == 0
+    snap = rounds.snapshot()
+    assert sum(snap["chosen"].values()) == 24 and snap["mode"] == ("cycle" if cycle else "controller")
+    costs = rounds.controller.table.costs(bs)
+    assert set(costs) == set(widths)  # every width timed in this batch's bucket (first ones dropped)
+    for w in widths:
+        assert costs[w] == pytest.approx(1e-3 * (1.0 + 0.05 * bs * w))
+
+
+def test_a_result_of_another_batch_size_is_dropped_not_observed():
+    rounds = db.AutoRounds([2, 4], 3, [1, 4])
+    rounds.record(4, torch.ones(3, 2) * 2, 0.0, 1e-3)
+    assert rounds.on_verify_complete_cpu([1, 1], 2) is False  # 2 results for a round of 3
+    assert rounds.dropped == 1 and rounds.observed == 0 and not rounds.pending
+    assert rounds.on_verify_complete_cpu([1], 1) is False  # nothing pending: ignored
+
+
+# ------------------------------------------------------------------------------------------
+# /get_server_info
+
+
+def test_server_info_shows_the_controller(parse):
+    """The scheduler's real get_internal_state (what /get_server_info returns under
+    internal_states) carries the worker's get_ddtree_server_info: budget auto's snapshot (and the
+    debug metrics when on), msgspec-serialisable. The scheduler is a stand-in for the fields
+    get_internal_state reads (a real one needs a GPU model)."""
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.server_args import set_global_server_args_for_scheduler
+    from sglang.srt.speculative import ddtree_serving
+    from sglang.srt.speculative.ddtree_auto_v2 import auto_rounds
+    from sglang.srt.speculative.ddtree_worker_v2 import DDTreeWorkerV2
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    args = parse("--speculative-ddtree-budget auto --cuda-graph-max-bs 16 --speculative-ddtree-debug-metrics")
+    set_global_server_args_for_scheduler(args)
+    rounds = auto_rounds(args, "cpu")
+    worker = _worker_stub(rounds)
+    worker.debug_metrics = ddtree_serving.DDTreeDebugMetrics(15, 255)
+    w = rounds.choose(2)
+    rounds.record(w, torch.full((2, len(rounds.widths)), 3.0), 0.0, 2e-3)
+    DDTreeWorkerV2.on_verify_complete_cpu(worker, [2, 0], 2)
+    worker.get_ddtree_server_info = lambda: DDTreeWorkerV2.get_ddtree_server_info(worker)
+    sched = SimpleNamespace(
+        metrics_reporter=SimpleNamespace(last_gen_throughput=0.0, spec_total_num_forward_ct=0),
+        tp_worker=SimpleNamespace(model_runner=SimpleNamespace(weight_load_mem_usage=1.0, graph_mem_usage=0.5)),
+        token_to_kv_pool_allocator=SimpleNamespace(get_kvcache=lambda: SimpleNamespace(mem_usage=2.0)),
+        max_total_num_tokens=1024, max_running_requests=48, server_args=args,
+        spec_algorithm=SpeculativeAlgorithm.DDTREE, draft_worker=worker,
+    )
+    state = Scheduler.get_internal_state(sched, None).internal_state
+    auto = state["ddtree_budget_auto"]
+    assert auto["widths"] == args.speculative_ddtree_auto_widths == [int(x) for x in auto["options"]]
+    assert auto["chosen"][str(w)] == 1 and auto["observed_rounds"] == 1 and auto["last"] == str(w)
+    assert auto["cost_table"]["buckets"] == rounds.controller.table.buckets
+    assert set(auto["calibration"]["ratio"]) == {str(x) for x in rounds.widths}
+    assert state["ddtree_debug_metrics"]["rounds"] == 1
+    json.dumps(state["ddtree_budget_auto"])
+    # a fixed budget without debug metrics adds nothing
+    assert DDTreeWorkerV2.get_ddtree_server_info(_worker_stub(None)) == {}
