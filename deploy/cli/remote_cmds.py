@@ -429,11 +429,13 @@ def status(
         out["hand_edited"] = unexplained(facts)  # bytes neither a push nor upstream had, whoever put them back
         out["launch"] = envfile.live(t, facts)  # [launch]: the flags the service starts with
         out["service"] = restart.service_state(t)
+        # /health first, then /get_server_info: a service that is still starting must not read as
+        # healthy without its algorithm (it came up between the two requests)
+        up = health.http(t, "/health").get("status") == 200 if out["service"] == "running" else False
         try:
-            info = health.server_info(t) if out["service"] == "running" else None
+            info = health.server_info(t) if up else None
         except DDTreeDeployError:
             info = None
-        up = health.http(t, "/health").get("status") == 200 if out["service"] == "running" else False
         out["healthy"] = up
         if info:
             algo, metrics = health.algorithm_and_metrics(info)

@@ -397,6 +397,8 @@ def test_rollback_that_cannot_heal_exits_7(bed, ct200_good, builds, cli_env, tmp
     rec = json.loads((h.state / "releases" / sorted(releases(h))[-1] / "release.json").read_text())
     assert rec["outcome"] == "rolled-back"
     assert not (h.state / "lock").exists()
-    # with the right inventory the restored host is healthy again
+    # with the right inventory the restored host is healthy again, once its service has started
+    # (the gate's 15 s may end before the restarted service answers on a loaded machine)
+    tb.wait_healthy(h)  # ct200: systemd on loopback
     st = json.loads(run_cli(["status", "ct200", "--json"], cli_env).stdout)
     assert st["healthy"] and st["speculative_algorithm"] == h.algorithm
