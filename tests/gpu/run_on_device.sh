@@ -1,15 +1,18 @@
 #!/bin/bash
 # On the GPU machine: install the offline SGLang archive, lay the overlay over it, run the
 # DDTREE matrix. Usage: [PIN=0.5.13.post1] [KERNEL_TESTS=0] [PROBE_DFLASH=0] tests/gpu/run_on_device.sh OUTDIR [ddtree_e2e.py args...]
-# PIN=0.5.16 needs two calls (the carry limit): one with .gpu/wheelhouse (extracts /tmp/site;
-# OUTDIR=--setup-only stops there), then one with .gpu/xgrammar + .gpu/overlay on the warm machine.
+# PIN=0.5.16: one call when SITE_TAR names a site archive that holds xgrammar too (its wheel
+# unpacked, lib/libxgrammar.a dropped and the bindings stripped of debug info, jedi dropped: 48 MB,
+# inside the carry limit; docs/TESTING.md "Ninth session"), else two calls: one with
+# .gpu/wheelhouse (extracts /tmp/site; OUTDIR=--setup-only stops there), then one with
+# .gpu/xgrammar + .gpu/overlay on the warm machine.
 set -uo pipefail
 out=$1; shift
 pin=${PIN:-0.5.13.post1}
 root=$(cd "$(dirname "$0")/../.." && pwd)
 mkdir -p /tmp/site
 if [ ! -d /tmp/site/sglang ]; then
-  f="$root/.gpu/wheelhouse/sglang-site.tar.xz"
+  f="${SITE_TAR:-$root/.gpu/wheelhouse/sglang-site.tar.xz}"
   [ -e "$f" ] || { echo "missing $f (and no /tmp/site/sglang): build it here and carry .gpu/wheelhouse" >&2; exit 2; }
   tar -xJf "$f" -C /tmp/site
 fi
@@ -30,7 +33,7 @@ if [ "$pin" = "0.5.16" ]; then kernel_tests="tests/gpu/test_v2_round_cuda.py"
 else kernel_tests="tests/gpu/test_verify_kernels.py tests/gpu/test_tree_build_graph.py"; fi
 krc=0  # KERNEL_TESTS=0 skips them (already run on this build)
 if [ "${KERNEL_TESTS:-1}" != 0 ]; then
-  (cd "$root" && python3 -m pytest --noconftest -p no:cacheprovider -q -s $kernel_tests) > "$out/kernels.log" 2>&1
+  (cd "$root" && timeout "${KERNEL_TIMEOUT:-300}" python3 -m pytest --noconftest -p no:cacheprovider -q -s $kernel_tests) > "$out/kernels.log" 2>&1
   krc=$?
   tail -3 "$out/kernels.log"
 fi
