@@ -79,6 +79,7 @@ def bed(tmp_path_factory, site_cache, algorithm):
     if why:
         pytest.skip(why)
     root = tmp_path_factory.mktemp("bed")
+    forkserver = tb.start_forkserver(root, site_cache)
     ssh = tb.ssh_bed(root / "ssh")
     hosts = {
         "ct200": tb.make_host("ct200", root / "ct200", site_cache, algorithm),
@@ -92,12 +93,14 @@ def bed(tmp_path_factory, site_cache, algorithm):
     inv.write_text(inventory_text(ssh, hosts, sup_conf))
     state = root / "deploy-state"
     yield {"ssh": ssh, "hosts": hosts, "inventory": inv, "root": root, "supervisor": sup_conf, "local_state": state}
-    # teardown: services, supervisord, sshd, netns
+    # teardown: services, supervisord, fork server, sshd, netns
     for name in ("ct200",):
         tb.sh(str(hosts[name].root / "bin" / "systemctl"), "stop", "sglang", check=False)
     tb.sh("start-stop-daemon", "--stop", "--quiet", "--pidfile", str(hosts["local"].root / "run" / "service.pid"),
           "--retry", "TERM/10/KILL/5", "--remove-pidfile", "--oknodo", check=False)
     tb.sh(str(VENV_BIN / "supervisorctl"), "-c", str(sup_conf), "shutdown", check=False)
+    forkserver.terminate()
+    forkserver.wait(30)
     ssh.down()
 
 

@@ -245,6 +245,47 @@ class TestHost:
         return self.root / "bin" / "python"
 
 
+FORKSERVER = SERVICE.with_name("forkserver.py")
+FORKSERVER_SOCK: Path | None = None  # set by start_forkserver: hosts made after it start their service there
+
+
+def start_forkserver(root: Path, site_cache: Path) -> subprocess.Popen:
+    """The bed's fork server (tests/deploy/service/forkserver.py: why and how): its preload list
+    is discovered once per site and interpreter (cached next to the site), then the server imports
+    those modules and listens. Hosts made afterwards route their service starts to it."""
+    import fcntl
+    import sysconfig
+
+    global FORKSERVER_SOCK
+    purelib = Path(sysconfig.get_paths()["purelib"])
+    key = hashlib.sha256(f"{site_cache.resolve()}|{sys.executable}|{purelib.stat().st_mtime_ns}|{sha256_file(FORKSERVER)}"
+                         .encode()).hexdigest()[:16]
+    preload = site_cache.with_name(f"{site_cache.name}.preload-{key}.json")
+    with open(site_cache.with_name(site_cache.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not preload.is_file():
+            sh(sys.executable, str(FORKSERVER), "discover", str(site_cache), str(preload),
+               env=dict(os.environ, PYTHONPATH=str(site_cache)))
+    sock = root / "forkserver.sock"
+    if len(str(sock)) > 100:  # AF_UNIX path limit
+        import tempfile
+
+        sock = Path(tempfile.mkdtemp(prefix="ddt-fs")) / "fs.sock"
+    env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR")}
+    log = open(root / "forkserver.log", "w")
+    p = subprocess.Popen([sys.executable, str(FORKSERVER), "serve", str(sock), str(preload)], stdout=log,
+                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+    log.close()
+    deadline = time.monotonic() + 300
+    while not sock.exists():
+        if p.poll() is not None or time.monotonic() > deadline:
+            p.kill()
+            raise RuntimeError(f"fork server did not start: {(root / 'forkserver.log').read_text()[-2000:]}")
+        time.sleep(0.1)
+    FORKSERVER_SOCK = sock
+    return p
+
+
 def make_host(name: str, root: Path, site_cache: Path, algorithm: str) -> TestHost:
     """A host root: its own copy of the sglang install (hard links: files are only ever replaced,
     never written in place), a python wrapper that puts it first on sys.path, run/ and state/."""
@@ -252,7 +293,11 @@ def make_host(name: str, root: Path, site_cache: Path, algorithm: str) -> TestHo
     (root / "bin").mkdir(parents=True)
     (root / "run").mkdir()
     sh("cp", "-al", str(site_cache), str(h.site))
-    h.python.write_text(f'#!/bin/sh\nPYTHONPATH="{h.site}${{PYTHONPATH:+:$PYTHONPATH}}" exec {sys.executable} "$@"\n')
+    route = ""  # `python <the stub service> ...` starts through the bed's fork server when it runs
+    if FORKSERVER_SOCK is not None:
+        route = (f'if [ "$1" = "{SERVICE}" ] && [ -S "{FORKSERVER_SOCK}" ]; then\n'
+                 f'  exec {sys.executable} -S -E {FORKSERVER} client "{FORKSERVER_SOCK}" "$@"\nfi\n')
+    h.python.write_text(f'#!/bin/sh\nexport PYTHONPATH="{h.site}${{PYTHONPATH:+:$PYTHONPATH}}"\n{route}exec {sys.executable} "$@"\n')
     h.python.chmod(0o755)
     return h
 
