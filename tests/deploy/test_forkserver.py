@@ -147,3 +147,17 @@ def test_without_a_server_the_plain_interpreter_runs(server, tmp_path):
     p.communicate(timeout=60)
     assert p.returncode == 5
     assert json.loads(out.read_text())["pid"] == p.pid  # exec'd in place: the started process itself
+
+
+def test_a_path_that_shadows_a_preloaded_module_gets_a_fresh_interpreter(server, tmp_path):
+    """The server has imported `selectors`; a PYTHONPATH folder with its own `selectors.py` would be
+    ignored by a forked child, so the client runs the plain interpreter instead."""
+    root, sock = server
+    (tmp_path / "shadow").mkdir()
+    (tmp_path / "shadow" / "selectors.py").write_text("MARK = 1\n")
+    out = tmp_path / "info.json"
+    env = dict(os.environ, PYTHONPATH=str(tmp_path / "shadow"))
+    p = start(sock, root / "svc.py", str(out), "exit", "0", env=env)
+    p.communicate(timeout=60)
+    assert p.returncode == 0
+    assert json.loads(out.read_text())["pid"] == p.pid

@@ -20,7 +20,9 @@ start-stop-daemon) is the client, which lives exactly as long as the service chi
 - SIGTERM/SIGINT/SIGHUP/SIGQUIT/SIGUSR1/SIGUSR2 sent to the client are forwarded to the child;
 - a client that dies (SIGKILL included) takes the child with it (the child watches the client's pidfd);
 - the client ends as the child ended: the same exit code, or killed by the same signal.
-Where the server is not running, the client execs the real interpreter with the same arguments.
+Where the server is not running, or the request's PYTHONPATH or script folder holds a module the
+server has already imported (a fresh interpreter would load that copy instead), the client execs the
+real interpreter with the same arguments.
 
 Usage: forkserver.py discover SITE OUT.json | serve SOCKET PRELOAD.json | client SOCKET SCRIPT [ARGS...]
 (the client is run with `python -S -E`: stdlib only, nothing imported at module level but that).
@@ -52,7 +54,11 @@ def client(sock_path: str, argv: list[str]) -> None:
     first = s.recv(MAX_MSG)
     if not first:
         sys.exit("forkserver: the server closed the connection before starting the service")
-    child = json.loads(first)["pid"]
+    answer = json.loads(first)
+    if "exec" in answer:  # the server cannot start this one as a fresh interpreter would: be one
+        s.close()
+        os.execv(sys.executable, [sys.executable, *argv])
+    child = answer["pid"]
     def forward(n: int, _frame) -> None:
         try:
             os.kill(child, n)
@@ -107,6 +113,27 @@ def preload(names: list[str]) -> int:
         except BaseException:  # noqa: BLE001 - a module that only imports in its parent's context
             pass
     return n
+
+
+def shadowing(req: dict) -> list[str]:
+    """Modules this server has imported that the request's sys.path would take from elsewhere (a
+    PYTHONPATH entry or the script's folder comes before site-packages), and a sitecustomize there
+    (a fresh interpreter runs it at start-up): a forked child would differ, so such a request is
+    not forked."""
+    tops = {name.split(".")[0] for name in sys.modules} | {"sitecustomize", "usercustomize"}  # run at start-up
+    dirs = [os.path.dirname(os.path.abspath(os.path.join(req["cwd"], req["argv"][0])))]
+    dirs += [p for p in req["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
+    hits = []
+    for d in dirs:
+        try:
+            entries = os.listdir(d)
+        except OSError:
+            continue
+        for e in entries:
+            name = e.split(".")[0]
+            if name in tops and not e.endswith((".dist-info", ".egg-info", ".pth")) and e != "__pycache__":
+                hits.append(os.path.join(d, e))
+    return hits
 
 
 def _join_netns(pid: int) -> None:
@@ -217,6 +244,14 @@ def serve(sock_path: str, preload_file: str) -> None:
                     msg, fds, _flags, _addr = socket.recv_fds(conn, MAX_MSG, 3)
                     req = json.loads(msg)
                 except (OSError, ValueError):
+                    conn.close()
+                    continue
+                hits = shadowing(req)
+                if hits:
+                    print(f"forkserver: not forked (a fresh interpreter would load {', '.join(hits[:3])})", flush=True)
+                    for fd in fds:
+                        os.close(fd)
+                    conn.send(json.dumps({"exec": True}).encode())
                     conn.close()
                     continue
                 sys.stdout.flush()
