@@ -72,30 +72,31 @@ def pytest_collection_modifyitems(config, items):
 # to the least loaded worker; then work stealing balances the end of the run as before. Only the
 # order changes: every test runs, in its own process as before.
 #
-# Seconds on 2 busy cores, from the last `make test --durations` (docs/TESTING.md); a key matches a
-# node id and its parametrizations. Only the ranking matters. A test over about 60 s belongs here.
+# Seconds on 2 busy cores, from the last `make test --durations` (docs/TESTING.md, ninth session:
+# call + setup); a key matches a node id and its parametrizations. Only the ranking matters. A test
+# over about 40 s belongs here.
 LONG_TESTS = {
-    "tests/deploy/test_deploy_journal.py::test_reboot_of_the_control_machine": 325,
-    "tests/deploy/test_deploy_journal.py::test_kill_and_drop_at_every_step[kill]": 262,
-    "tests/deploy/test_deploy_journal.py::test_kill_and_drop_at_every_step[drop]": 260,
-    "tests/test_ddtree_utils_triton.py::test_kernels_compile_for_the_gpus_we_serve_on[120]": 265,
-    "tests/test_ddtree_utils_triton.py::test_kernels_compile_for_the_gpus_we_serve_on[90]": 244,
-    "tests/deploy/test_deploy_journal.py::test_state_dir_enospc_at_each_step": 171,
-    "tests/deploy/test_deploy_journal.py::test_enospc_at_each_step": 162,
-    "tests/deploy/test_deploy_launch.py::test_systemd_push_turns_ddtree_on_and_rollback_restores_flags": 149,
-    "tests/deploy/test_deploy_launch.py::test_supervisord_auto_rollback_and_rollback_restore_env_file": 129,
-    "tests/deploy/test_deploy_launch.py::test_env_file_budget_change_is_restart_pending": 117,
-    "tests/deploy/test_deploy_report.py::test_serial_rollout_stops_at_the_first_failed_host": 101,
-    "tests/deploy/test_deploy_report.py::test_push_of_the_build_in_place_starts_a_stopped_service": 100,
-    "tests/deploy/test_deploy_report.py::test_a_hand_edit_put_back_by_rollback_shows_as_drift": 100,
-    "tests/deploy/test_deploy_report.py::test_messages_name_the_host_once": 98,
-    "tests/deploy/test_deploy_scenarios.py::test_local_push_and_rollbacks": 98,
-    "tests/deploy/test_deploy_report.py::test_a_fault_during_the_automatic_rollback_keeps_the_first_cause": 96,
-    "tests/deploy/test_deploy_launch.py::test_pristine_sglang_refuses_ddtree_flags": 90,
-    "tests/deploy/test_deploy_launch.py::test_dead_push_with_launch_finished_by_next_command": 90,
-    "tests/sglang_v2/test_v2_pin.py::test_the_016_pin_on_cpu": 80,
+    "tests/deploy/test_deploy_journal.py::test_kill_and_drop_at_every_step[kill]": 240,
+    "tests/test_ddtree_utils_triton.py::test_kernels_compile_for_the_gpus_we_serve_on[90]": 186,
+    "tests/deploy/test_deploy_journal.py::test_kill_and_drop_at_every_step[drop]": 203,
+    "tests/deploy/test_deploy_journal.py::test_reboot_of_the_control_machine": 197,
+    "tests/test_ddtree_utils_triton.py::test_kernels_compile_for_the_gpus_we_serve_on[120]": 152,
+    "tests/deploy/test_deploy_journal.py::test_state_dir_enospc_at_each_step": 131,
+    "tests/deploy/test_deploy_journal.py::test_enospc_at_each_step": 81,
+    "tests/deploy/test_deploy_launch.py::test_systemd_push_turns_ddtree_on_and_rollback_restores_flags": 76,
+    "tests/test_ddtree_utils_sampling.py::test_tree_walk_with_samples_is_lossless": 76,
+    "tests/test_pins.py::test_gate_6_uses_the_sglang_of_the_pin": 62,
     "tests/deploy/test_deploy_scenarios.py::test_health_deadline_rolls_back": 60,
-    "tests/deploy/test_deploy_crashloop.py::test_crash_loop_under_supervisord_fails_the_gate_at_once": 60,
+    "tests/deploy/test_deploy_report.py::test_messages_name_the_host_once": 59,
+    "tests/deploy/test_deploy_launch.py::test_supervisord_auto_rollback_and_rollback_restore_env_file": 53,
+    "tests/deploy/test_deploy_report.py::test_a_hand_edit_put_back_by_rollback_shows_as_drift": 48,
+    "tests/deploy/test_deploy_launch.py::test_env_file_budget_change_is_restart_pending": 47,
+    "tests/test_ddtree_utils_sampling.py::test_search_buffer_and_pivot_switch_keep_the_exact_sets[4096]": 46,
+    "tests/deploy/test_deploy_report.py::test_push_of_the_build_in_place_starts_a_stopped_service": 45,
+    "tests/sglang_v2/test_v2_pin.py::test_the_016_pin_on_cpu": 44,
+    "tests/deploy/test_deploy_report.py::test_a_fault_during_the_automatic_rollback_keeps_the_first_cause": 42,
+    "tests/deploy/test_deploy_launch.py::test_dead_push_with_launch_finished_by_next_command": 40,
+    "tests/deploy/test_deploy_report.py::test_serial_rollout_stops_at_the_first_failed_host": 39,
 }
 _DEFAULT_S = (("tests/deploy/", 20.0), ("tests/sglang", 5.0), ("tests/test_ddtree_utils", 3.0), ("", 1.0))
 

@@ -352,7 +352,7 @@ def test_enospc_at_each_step(bed, builds, site_cache, cli_env, tmp_path):
     the restart, the faulty transport double fills that filesystem. Before the swap the package
     must stay byte for byte pristine with no temp file; once the swap is done nothing needs space.
     Over 60 s on 2 busy cores: a reference push and one push per step (about 7), each with a copy
-    of the sglang package into the tmpfs, the pushes past the swap with a service restart (each start of the stub service imports the real sglang (torch, transformers: about 9 s of CPU))."""
+    of the sglang package into the tmpfs, the pushes past the swap with a service restart (each start of the stub service imports the host's real sglang, about 1.5 CPU-s in a child of the bed's fork server, and the pre-swap import check about 9 CPU-s)."""
     h, good = bed["hosts"]["local"], builds["good"]
     pristine = tb.tree_digest(site_cache / "sglang")
     after = expected_after(pristine, good)

@@ -179,7 +179,7 @@ def test_systemd_push_turns_ddtree_on_and_rollback_restores_flags(lbed, builds, 
     """systemd shim: plan shows the env-file diff; push turns DDTREE on through the env file; one
     `rollback` goes back to the pristine files and DFLASH flags; --to <release> and --to pristine
     move the flags with the files; a hand-edited env file is drift. Over 60 s on 2 busy cores:
-    three pushes and three rollbacks, each restarting the service with its health gate (each start of the stub service imports the real sglang (torch, transformers: about 9 s of CPU))."""
+    three pushes and three rollbacks, each restarting the service with its health gate (each start of the stub service imports the host's real sglang, about 1.5 CPU-s in a child of the bed's fork server, and the pre-swap import check about 9 CPU-s)."""
     h, env_file, good = lbed["ct-launch"], lbed["env"]["ct-launch"], builds["good"]
     pristine_tree, pristine_env = tb.tree_digest(h.sglang), env_bytes(env_file)
     assert status("ct-launch", lenv)["speculative_algorithm"] == "DFLASH"
@@ -249,7 +249,7 @@ def test_supervisord_auto_rollback_and_rollback_restore_env_file(lbed, builds, l
     """supervisord through ProxyJump, no env file before: a push whose service fails is rolled back
     automatically with the env file (removed again) and health expecting no speculative algorithm;
     then push turns DDTREE on and one `rollback` removes the file and the flags again. Over 60 s on
-    2 busy cores: four service restarts under supervisord with their health gates (each start of the stub service imports the real sglang (torch, transformers: about 9 s of CPU))."""
+    2 busy cores: four service restarts under supervisord with their health gates (each start of the stub service imports the host's real sglang, about 1.5 CPU-s in a child of the bed's fork server, and the pre-swap import check about 9 CPU-s)."""
     h, env_file, good = lbed["gpu-launch"], lbed["env"]["gpu-launch"], builds["good"]
     pristine_tree = tb.tree_digest(h.sglang)
     assert not env_file.exists() and status("gpu-launch", lenv)["speculative_algorithm"] is None
@@ -329,7 +329,7 @@ def test_env_file_budget_change_is_restart_pending(lbed, builds, lenv):
     flag and both values (the service's from its /get_server_info), `restart` applies it and the
     note goes; the hand edit stays drift until a rollback puts the flags back. About 40 s on 2
     quiet cores, over 60 s on 2 busy ones: a push, a restart and a rollback, each with its health
-    gate (each start of the stub service imports the real sglang (torch, transformers: about 9 s of CPU))."""
+    gate (each start of the stub service imports the host's real sglang, about 1.5 CPU-s in a child of the bed's fork server, and the pre-swap import check about 9 CPU-s)."""
     h, env_file, good = lbed["ct-launch"], lbed["env"]["ct-launch"], builds["good"]
     if (h.state / "current.json").exists():  # after the other tests: back to the state before the tool came
         r = run_cli(["rollback", "ct-launch", "--to", "pristine"], lenv)

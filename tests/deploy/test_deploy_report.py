@@ -226,7 +226,7 @@ def test_a_fault_during_the_automatic_rollback_keeps_the_first_cause(setup, buil
     rollback restores the files, then the connection drops for good: exit 8, and the message, the
     log tail and (after the next command finishes it) release.json still name the first cause.
     Over 60 s on 2 busy cores: a fresh push, the failing one with its rollback and the next command's
-    recovery each restart the service (each start of the stub service imports the real sglang (torch, transformers: about 9 s of CPU))."""
+    recovery each restart the service (each start of the stub service imports the host's real sglang, about 1.5 CPU-s in a child of the bed's fork server, and the pre-swap import check about 9 CPU-s)."""
     h, _, _ = setup
     _, after, rid = fresh(h, builds["good"], site_cache, env)
     r = run_cli(["push", "ct200", "--build", str(builds["bad_service"].root), "--json"],
@@ -246,7 +246,7 @@ def test_serial_rollout_stops_at_the_first_failed_host(bed, setup, builds, site_
     """push ct200 local --serial 1: ct200 (the canary) fails and is rolled back, so `local` is not
     touched; the table and --json name it. --max-failures without --serial is a usage error (exit 2,
     with a JSON document under --json). Over 60 s on 2 busy cores: a fresh push, the canary's
-    failing push and its rollback each restart the service (each start of the stub service imports the real sglang (torch, transformers: about 9 s of CPU))."""
+    failing push and its rollback each restart the service (each start of the stub service imports the host's real sglang, about 1.5 CPU-s in a child of the bed's fork server, and the pre-swap import check about 9 CPU-s)."""
     h, _, _ = setup
     loc = bed["hosts"]["local"]
     _, after, rid = fresh(h, builds["good"], site_cache, env)

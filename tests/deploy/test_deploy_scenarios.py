@@ -343,7 +343,7 @@ def test_two_hosts_one_failing(bed, builds, site_cache, cli_env):
 
 def test_local_push_and_rollbacks(bed, builds, site_cache, cli_env):
     """`local` (no SSH, start-stop-daemon pidfile): push, rollback, rollback --to <release>, --to pristine.
-    Over 60 s on 2 busy cores: a push and the rollbacks each restart the service with its health gate (each start of the stub service imports the real sglang (torch, transformers: about 9 s of CPU))."""
+    Over 60 s on 2 busy cores: a push and the rollbacks each restart the service with its health gate (each start of the stub service imports the host's real sglang, about 1.5 CPU-s in a child of the bed's fork server, and the pre-swap import check about 9 CPU-s)."""
     h, good = bed["hosts"]["local"], builds["good"]
     tb.reset_host(h, good, site_cache)
     pristine = tb.tree_digest(h.sglang)
