@@ -163,6 +163,8 @@ def _run_child(req: dict, fds: list[int]) -> None:
             pidfd = os.pidfd_open(client_pid)
         except ProcessLookupError:
             os._exit(1)
+        except (AttributeError, OSError):  # no pidfd (kernel < 5.3): poll the client instead
+            pidfd = None
         _join_netns(client_pid)
         for i, fd in enumerate(fds):
             os.dup2(fd, i)
@@ -185,8 +187,17 @@ def _run_child(req: dict, fds: list[int]) -> None:
 
         def watch() -> None:  # the client died (its supervisor killed it): so does the service
             import select
+            import time
 
-            select.select([pidfd], [], [])
+            if pidfd is not None:
+                select.select([pidfd], [], [])
+            else:
+                while True:
+                    try:
+                        os.kill(client_pid, 0)
+                    except ProcessLookupError:
+                        break
+                    time.sleep(0.1)
             os.kill(os.getpid(), signal.SIGKILL)
 
         threading.Thread(target=watch, daemon=True, name="forkserver-watch").start()
