@@ -12,9 +12,12 @@ Torch + standard library. Shipped next to ddtree_utils.py as
   :func:`truncate_tree` cuts the compiled tree to the chosen width.
 * :class:`AcceptCalibration`: an online ratio (realised / predicted accepted drafts) per option,
   exponentially forgotten, shrunk towards the ratio pooled over all options.
-* :class:`CostTable`: round seconds per (batch bucket x option) from a caller-supplied timing
-  function (the worker replays its captured graphs; tests pass a synthetic model), interpolated
-  for batch sizes between the measured buckets.
+* :class:`CostTable`: round seconds per (batch bucket x option), interpolated for batch sizes
+  between the measured buckets. Filled online from timed rounds, and optionally seeded at
+  start-up with each cell's **verify** seconds (the worker replays its captured verify graphs):
+  a round is its verify plus a width-independent rest (draft forward, tree build, host share),
+  learnt online per bucket from the rounds of any width, so every width is priced from the
+  first round on.
 * :func:`best_option` and :class:`BudgetController`: the choice.
 
 The flag's value and the widths ``auto`` may use (the memory rule) are server-argument rules,
@@ -213,15 +216,42 @@ def _interp(x: float, xs: Sequence[float], ys: Sequence[float]) -> float:
     return max(ys[-1] + slope * (x - xs[-1]), ys[-1])
 
 
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(1e3 * seconds, 4)
+
+
+def _interp_flat(x: float, xs: Sequence[float], ys: Sequence[float]) -> float:
+    """Piecewise linear through (xs, ys) (xs ascending), constant beyond both ends."""
+    if x <= xs[0]:
+        return ys[0]
+    for i in range(1, len(xs)):
+        if x <= xs[i]:
+            t = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+            return ys[i - 1] + t * (ys[i] - ys[i - 1])
+    return ys[-1]
+
+
 class CostTable:
     """Round seconds per (batch bucket x option).
 
-    ``seconds[i][j]`` is the cost of a round of ``buckets[i]`` requests with ``options[j]``, or
-    None while unmeasured. Filled at start-up by :meth:`measure` (a timing function per cell)
-    and/or online by :meth:`observe` (an exponential moving average of measured rounds).
+    ``seconds[i][j]`` is the measured cost of a round of ``buckets[i]`` requests with
+    ``options[j]``, or None while unmeasured: given, filled by :meth:`measure` (a timing function
+    per cell) and/or online by :meth:`observe` (an exponential moving average of timed rounds).
+
+    Start-up seeds (:meth:`seed`): ``verify[i][j]``, the seconds of the cell's **verify** alone
+    (the worker replays its captured verify graphs). A round costs its verify plus a rest that
+    does not depend on the width (the draft forward, the tree build, the host's share), learnt
+    online per bucket from the timed rounds of any seeded width: ``offset[i]``, a moving average
+    of ``max(0, observed - verify[i][j])``. A cell is then priced ``verify[i][j] + offset(i)``
+    until its own rounds are timed, and by its own average after (``seconds[i][j]``, which also
+    holds what the replay cannot see: the attention over the requests' real context). A bucket
+    with no timed round yet borrows ``offset(i)`` from the buckets that have one (linear in the
+    batch size between them, constant beyond), 0 while no bucket has one. So a seeded cell is
+    never missing: the controller prices every seeded width from the first round.
+
     A batch of ``bs`` requests costs what the smallest captured graph size ``>= bs`` costs (its
     graph replays with padding; ``graph_sizes`` default: the buckets), interpolated linearly in
-    the batch size between the measured buckets of the option, and extrapolated linearly from
+    the batch size between the priced buckets of the option, and extrapolated linearly from
     the two largest above the last one (batches run eagerly there).
     """
 
@@ -242,6 +272,8 @@ class CostTable:
         if len(seconds) != len(self.buckets) or any(len(r) != len(self.options) for r in seconds):
             raise ValueError("seconds must be [len(buckets)][len(options)]")
         self.seconds = [[None if s is None else self._check(s) for s in row] for row in seconds]
+        self.verify: list[list[float | None]] = [[None] * len(self.options) for _ in self.buckets]
+        self.offset: list[float | None] = [None] * len(self.buckets)
         self.graph_sizes = sorted(int(g) for g in (graph_sizes or self.buckets))
         self.decay = float(decay)
 
@@ -278,22 +310,56 @@ class CostTable:
                 return i
         return len(self.buckets) - 1
 
+    def seed(self, bs: int, option: Option, verify_seconds: float) -> bool:
+        """A start-up verify time of ``option`` at batch size ``bs``. Kept only when ``bs`` is a
+        bucket (a seed stands for its bucket's rounds); returns whether it was kept."""
+        s = self._check(verify_seconds)
+        j = self.options.index(option)
+        if int(bs) not in self.buckets:
+            return False
+        self.verify[self.buckets.index(int(bs))][j] = s
+        return True
+
     def observe(self, bs: int, option: Option, seconds: float) -> None:
-        """One measured round (moving average per cell, the first measurement as it is)."""
+        """One timed round: the cell's moving average (the first measurement as it is) and, for
+        a seeded cell, the bucket's width-independent rest."""
         i, j = self.bucket_index(bs), self.options.index(option)
         s = self._check(seconds)
         old = self.seconds[i][j]
         self.seconds[i][j] = s if old is None else self.decay * old + (1.0 - self.decay) * s
+        v = self.verify[i][j]
+        if v is not None:
+            rest, old = max(0.0, s - v), self.offset[i]
+            self.offset[i] = rest if old is None else self.decay * old + (1.0 - self.decay) * rest
+
+    def rest(self, i: int) -> float:
+        """Seconds a round of bucket ``i`` spends outside its verify: learnt in that bucket,
+        else interpolated from the buckets that learnt it, else 0."""
+        if self.offset[i] is not None:
+            return self.offset[i]
+        pts = [(b, o) for b, o in zip(self.buckets, self.offset) if o is not None]
+        if not pts:
+            return 0.0
+        return _interp_flat(float(self.buckets[i]), [b for b, _ in pts], [o for _, o in pts])
+
+    def cell(self, i: int, j: int) -> float | None:
+        """The price of cell (bucket ``i``, option ``j``): its own timed rounds, else its seed
+        plus the bucket's rest, else None."""
+        if self.seconds[i][j] is not None:
+            return self.seconds[i][j]
+        if self.verify[i][j] is not None:
+            return self.verify[i][j] + self.rest(i)
+        return None
 
     def missing(self, bs: int) -> list:
-        """Options without a measurement in the bucket of ``bs`` (in option order)."""
+        """Options without a price in the bucket of ``bs`` (in option order)."""
         i = self.bucket_index(bs)
-        return [o for j, o in enumerate(self.options) if self.seconds[i][j] is None]
+        return [o for j, o in enumerate(self.options) if self.cell(i, j) is None]
 
     def cost(self, bs: int, option: Option) -> float | None:
-        """Seconds of a round of ``bs`` requests with ``option``; None if never measured."""
+        """Seconds of a round of ``bs`` requests with ``option``; None if never priced."""
         j = self.options.index(option)
-        pts = [(b, row[j]) for b, row in zip(self.buckets, self.seconds) if row[j] is not None]
+        pts = [(b, c) for i, b in enumerate(self.buckets) if (c := self.cell(i, j)) is not None]
         if not pts:
             return None
         return _interp(float(self.padded(int(bs))), [b for b, _ in pts], [s for _, s in pts])
@@ -302,11 +368,29 @@ class CostTable:
         return {o: c for o in self.options if (c := self.cost(bs, o)) is not None}
 
     def as_dict(self) -> dict:
+        """``ms``: the timed rounds' averages; ``verify_ms``: the start-up seeds;
+        ``offset_ms``: the learnt rest per bucket; ``cost_ms``: the prices the controller uses."""
+        rows = range(len(self.buckets))
         return {
             "buckets": list(self.buckets),
             "options": [str(o) for o in self.options],
-            "ms": [[None if s is None else round(1e3 * s, 4) for s in row] for row in self.seconds],
+            "ms": [[_ms(s) for s in row] for row in self.seconds],
+            "verify_ms": [[_ms(s) for s in row] for row in self.verify],
+            "offset_ms": [_ms(o) for o in self.offset],
+            "cost_ms": [[_ms(self.cell(i, j)) for j in range(len(self.options))] for i in rows],
         }
+
+    def format_ms(self, which: str = "verify") -> str:
+        """A text table of ``verify`` (the seeds) or ``cost`` (the prices) in ms: one row per
+        bucket, one column per option ("-": none); for the log."""
+        get = (lambda i, j: self.verify[i][j]) if which == "verify" else self.cell
+        head = ["bs \\ width"] + [str(o) for o in self.options]
+        rows = [
+            [str(b)] + ["-" if (s := get(i, j)) is None else f"{1e3 * s:.3f}" for j in range(len(self.options))]
+            for i, b in enumerate(self.buckets)
+        ]
+        widths = [max(len(r[k]) for r in [head, *rows]) for k in range(len(head))]
+        return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in [head, *rows])
 
 
 class BudgetController:
@@ -319,8 +403,10 @@ class BudgetController:
     and the realised committed tokens. The choice uses the latest predictions, so it lags one
     round; nothing here waits on the device.
 
-    Warm-up: while an option has no measured cost in the batch's bucket (a table filled online),
-    the choice is that option, so every cell the batch sizes reach gets measured.
+    Warm-up: while an option has no price in the batch's bucket (a table filled online only, or
+    a bucket without start-up seeds), the choice is that option, so every cell the batch sizes
+    reach gets measured. A table seeded at start-up (:meth:`CostTable.seed`) prices every seeded
+    cell from the first round, so there the choice is made without warm-up.
 
     Exploration: every ``explore_every``-th choice takes the neighbour of the best width (the
     next wider, then the next narrower, alternating; the narrowest width when chain or off is
@@ -432,6 +518,11 @@ class AutoRounds:
     round of each (bucket, width) cell is dropped (first-use costs: kernel compilation, lazy
     buffers); the controller then runs that width again in that bucket.
 
+    Start-up (:meth:`seed_verify`): the worker's verify time per (batch size, width), measured
+    by replaying its captured verify graphs, seeds the cost table, so the controller prices
+    every width from the first round (:class:`CostTable`); ``startup`` records how that went
+    (measured, skipped and why, or failed) for the snapshot. Without it the table fills online.
+
     ``cycle=True`` (``SGLANG_DDTREE_AUTO_CYCLE=1``, the exactness matrix): the widths in turn,
     one per round, so the width changes every round; the feed still runs (snapshot).
     """
@@ -465,6 +556,16 @@ class AutoRounds:
         self.dropped = 0
         self.warm: set = set()
         self.log_interval = int(log_interval)
+        self.startup: dict = {"status": "not measured"}
+
+    def seed_verify(self, verify_seconds: Mapping[tuple[int, int], float]) -> int:
+        """Start-up verify seconds per ``(batch size, width)`` into the cost table (seeds of a
+        batch size that is no bucket, or of a width not served, are left out). All or nothing:
+        a time that is not a finite number of seconds > 0 raises before any cell is seeded.
+        Returns how many cells were seeded."""
+        table = self.controller.table
+        cells = [(int(bs), int(w), table._check(s)) for (bs, w), s in verify_seconds.items()]
+        return sum(table.seed(bs, w, s) for bs, w, s in cells if w in self.widths)
 
     def choose(self, bs: int) -> int:
         """The width of the next round of ``bs`` requests."""
@@ -529,6 +630,7 @@ class AutoRounds:
             rounds=self.rounds,
             observed_rounds=self.observed,
             dropped_rounds=self.dropped,
+            startup=dict(self.startup),
         )
         return out
 

@@ -324,6 +324,144 @@ def test_exploration_visits_the_neighbours_and_snapshot_reports():
 
 
 # ------------------------------------------------------------------------------------------
+# Start-up seeds: the verify time per cell, plus a rest learnt online per bucket
+
+_WIDTHS = [8, 16, 32, 64, 128, 256]
+_BUCKETS = [1, 2, 4, 8, 16, 32, 64]
+
+
+@given(
+    verify=st.lists(st.lists(st.floats(1e-4, 5e-2), min_size=6, max_size=6), min_size=7, max_size=7),
+    rest=st.lists(st.floats(0.0, 3e-2), min_size=7, max_size=7),
+    gains=st.lists(st.floats(0.0, 2.0), min_size=6, max_size=6),
+    first=st.lists(st.sampled_from(_WIDTHS), min_size=7, max_size=7),
+)
+@settings(max_examples=200, deadline=None)
+def test_a_seeded_table_with_the_true_rest_picks_the_best_width_on_the_first_round(verify, rest, gains, first):
+    """A synthetic cost model (no GPU here): round = verify(b, w) + rest(b), the verify times
+    arbitrary (not even monotone in the width), the rest independent of the width. Seeded with
+    the verify times, the table prices every width at once (no warm-up, nothing missing); one
+    timed round in a bucket, at any width, teaches it the rest, and then the controller's choice
+    in that bucket is the brute-force best of bs * E / true cost over every width, widths it
+    never ran included."""
+    true = {(b, w): verify[i][j] + rest[i] for i, b in enumerate(_BUCKETS) for j, w in enumerate(_WIDTHS)}
+    expected = dict(zip(_WIDTHS, itertools.accumulate(gains, initial=1.0)))
+    table = db.CostTable(_BUCKETS, _WIDTHS)
+    for i, b in enumerate(_BUCKETS):
+        for j, w in enumerate(_WIDTHS):
+            assert table.seed(b, w, verify[i][j])
+    ctl = db.BudgetController(_WIDTHS, table, explore_every=0, initial=expected)
+    assert ctl.expected() == pytest.approx(expected)
+    for b in _BUCKETS:
+        assert table.missing(b) == []  # no cell to warm up
+    for i, b in enumerate(_BUCKETS):
+        table.observe(b, first[i], true[(b, first[i])])  # the bucket's first timed round
+    for b in _BUCKETS:
+        got = ctl.choose(b)
+        scores = {w: b * expected[w] / true[(b, w)] for w in _WIDTHS}
+        assert scores[got] == pytest.approx(max(scores.values()), rel=1e-9)
+        for w in _WIDTHS:
+            assert table.cost(b, w) == pytest.approx(true[(b, w)], rel=1e-9, abs=1e-12)
+    assert ctl.history[ctl.last] >= 1 and sum(ctl.history.values()) == len(_BUCKETS)
+
+
+def test_the_rest_is_learnt_per_bucket_borrowed_by_the_others_and_replaced_by_own_rounds():
+    """Synthetic verify seeds and a rest linear in the batch size (no GPU here): before any
+    round a cell costs its verify; a bucket without a round of its own borrows the rest of the
+    buckets that have one (linear between them, flat beyond); the rest is a moving average of
+    max(0, observed - verify); a cell with its own timed rounds is priced by them."""
+    widths, buckets = [8, 32, 128], [1, 4, 16, 64]
+    verify = lambda b, w: 1e-3 + 2e-5 * b * w
+    rest = lambda b: 2e-3 + 1e-4 * b
+    table = db.CostTable(buckets, widths)
+    for b in buckets:
+        for w in widths:
+            table.seed(b, w, verify(b, w))
+    assert not table.seed(3, 8, 1e-3)  # not a bucket: no cell stands for it
+    with pytest.raises(ValueError):
+        table.seed(4, 8, 0.0)
+    for b in buckets:
+        for w in widths:
+            assert table.cost(b, w) == pytest.approx(verify(b, w))  # rest unknown: 0
+    table.observe(4, 32, verify(4, 32) + rest(4))
+    table.observe(64, 8, verify(64, 8) + rest(64))
+    assert table.offset == [None, pytest.approx(rest(4)), None, pytest.approx(rest(64))]
+    for b, r in ((1, rest(4)), (4, rest(4)), (16, rest(16)), (64, rest(64))):  # 16: between 4 and 64
+        for w in widths:
+            assert table.cost(b, w) == pytest.approx(verify(b, w) + r)
+    # own rounds: the cell's average, no longer seed + rest
+    table.observe(4, 32, verify(4, 32) + rest(4) + 1e-3)
+    assert table.offset[1] == pytest.approx(rest(4) + 0.1 * 1e-3)
+    assert table.cost(4, 32) == pytest.approx(verify(4, 32) + rest(4) + 0.1 * 1e-3)
+    assert table.cost(4, 8) == pytest.approx(verify(4, 8) + rest(4) + 0.1 * 1e-3)
+    table.observe(64, 128, 0.5 * verify(64, 128))  # faster than its replay: a rest of 0
+    assert table.offset[3] == pytest.approx(0.9 * rest(64))
+    d = table.as_dict()
+    assert d["verify_ms"][0] == [pytest.approx(1e3 * verify(1, w), abs=1e-4) for w in widths]
+    assert d["offset_ms"][0] is None and d["offset_ms"][1] == pytest.approx(1e3 * table.offset[1], abs=1e-4)
+    assert d["ms"][0] == [None, None, None] and d["ms"][1][1] is not None
+    assert d["cost_ms"][2] == [pytest.approx(1e3 * table.cost(16, w), abs=1e-4) for w in widths]
+    text = table.format_ms("verify").splitlines()
+    assert text[0].split()[-3:] == ["8", "32", "128"] and len(text) == 1 + len(buckets)
+    assert text[1].split() == ["1", *(f"{1e3 * verify(1, w):.3f}" for w in widths)]
+
+
+def test_unseeded_buckets_still_warm_up_and_extrapolate_from_the_seeded_ones():
+    """A bucket the graphs do not cover (the running cap above them: eager rounds) has no seeds:
+    the controller warms its cells up online, and meanwhile its cost is extrapolated from the
+    seeded buckets (synthetic costs, no GPU here)."""
+    widths = [8, 16]
+    table = db.CostTable([1, 8, 48], widths, graph_sizes=[1, 2, 4, 8])
+    for b in (1, 8):
+        for w in widths:
+            table.seed(b, w, 1e-3 * b * w)
+    assert table.missing(8) == [] and table.missing(40) == widths
+    assert table.cost(48, 16) == pytest.approx(1e-3 * 48 * 16)  # linear through 1 and 8
+    ctl = db.BudgetController(widths, table, explore_every=0)
+    assert [ctl.choose(40), ctl.choose(8)] == [8, 8]  # warm-up in the cap bucket; 8 is the best
+    table.observe(40, 8, 1.0)
+    assert table.missing(40) == [16] and ctl.choose(40) == 16
+
+
+def test_auto_rounds_seeded_at_start_up_choose_without_warm_up():
+    """AutoRounds with start-up seeds (synthetic times, no GPU here): the first round already
+    takes the best width under the seeds (rest 0 before any timed round), not the narrowest a
+    warm-up would run; the rest is learnt from the timed rounds (each cell's first one dropped),
+    and then the choice is the best under the true costs. Seeds of a width not served or of a
+    batch size that is no bucket are left out; the snapshot carries the seeds and the start-up."""
+    widths, buckets, bs, rest = [2, 4, 8], [1, 4], 4, 6e-3
+    verify = {(b, w): 1e-3 * (1 + 0.05 * b * w) for b in buckets for w in widths}
+    r = db.AutoRounds(widths, 7, buckets, explore_every=0)
+    assert r.seed_verify({**verify, (4, 16): 1.0, (3, 2): 1.0}) == len(verify)
+    want_first = db.best_option(bs, r.controller.expected(), {w: verify[(bs, w)] for w in widths})
+    assert want_first != widths[0]  # a warm-up would have run the narrowest first
+    est = torch.tensor([[1.8, 2.6, 3.0]]).expand(bs, 3)  # [bs, W] the tree's estimate per width
+    ran = []
+    for _ in range(6):
+        w = r.choose(bs)
+        ran.append(w)
+        r.record(w, est, 0.0, verify[(bs, w)] + rest)
+        r.on_verify_complete_cpu([1] * bs, bs)
+    assert ran[0] == want_first
+    table = r.controller.table
+    assert table.offset[1] == pytest.approx(rest) and table.offset[0] is None
+    want = db.best_option(bs, r.controller.expected(), {w: verify[(bs, w)] + rest for w in widths})
+    assert r.choose(bs) == want
+    for w in widths:
+        assert table.cost(bs, w) == pytest.approx(verify[(bs, w)] + rest)
+    snap = r.snapshot()
+    assert snap["startup"] == {"status": "not measured"}
+    assert snap["cost_table"]["verify_ms"][1] == [pytest.approx(1e3 * verify[(bs, w)], abs=1e-4) for w in widths]
+    r.startup = {"status": "measured", "cells": 6}
+    assert r.snapshot()["startup"]["cells"] == 6
+    fresh = db.AutoRounds(widths, 7, buckets)
+    for bad in (0.0, float("nan"), -1e-3):  # all or nothing: no cell seeded
+        with pytest.raises(ValueError):
+            fresh.seed_verify({(1, 2): 1e-3, (4, 2): bad})
+        assert all(v is None for row in fresh.controller.table.verify for v in row)
+
+
+# ------------------------------------------------------------------------------------------
 # Rounds whose width changes: exactness against the plain target
 
 

@@ -118,3 +118,35 @@ def test_acceptance_run_attach_refuses_a_server_of_another_configuration(tmp_pat
     finally:
         for f in fakes:
             f.stop()
+
+
+def test_e2e_startup_table_check_reads_the_snapshot_auto_rounds_writes():
+    """ddtree_e2e's start-up table check against the snapshot of the real ddtree_budget.AutoRounds
+    (seeded as seed_startup_costs does; the times are synthetic, no GPU here): measured and
+    positive passes; unmeasured, a width without a seed, or an eager server that measured fails."""
+    import importlib.util
+    import json
+    import sys
+
+    import ddtree_budget as db
+
+    spec = importlib.util.spec_from_file_location("ddtree_e2e", Path(__file__).parent / "gpu" / "ddtree_e2e.py")
+    e2e = importlib.util.module_from_spec(spec)
+    sys.modules["ddtree_e2e"] = e2e  # its dataclasses look their module up
+    try:
+        spec.loader.exec_module(e2e)
+    finally:
+        del sys.modules["ddtree_e2e"]
+    r = db.AutoRounds([8, 16], 15, [1, 4, 32], graph_sizes=[1, 4])
+    snap = lambda: json.loads(json.dumps(r.snapshot()))  # as /get_server_info sends it
+    assert not e2e.startup_table_ok(snap(), graphs=True)  # not measured
+    r.startup = {"status": "skipped", "reason": "CUDA graphs are off (eager verify)"}
+    assert e2e.startup_table_ok(snap(), graphs=False)
+    seeded = r.seed_verify({(1, 8): 1e-3, (4, 8): 2e-3, (1, 16): 1.5e-3})
+    r.startup = {"status": "measured", "cells": 3, "seeded": seeded}
+    assert e2e.startup_table_ok(snap(), graphs=True) and not e2e.startup_table_ok(snap(), graphs=False)
+    r.startup["seeded"] = 4  # the snapshot's table holds fewer seeds than the status says
+    assert not e2e.startup_table_ok(snap(), graphs=True)
+    r2 = db.AutoRounds([8, 16], 15, [1, 4], graph_sizes=[1, 4])
+    r2.startup = {"status": "measured", "cells": 1, "seeded": r2.seed_verify({(1, 8): 1e-3})}
+    assert not e2e.startup_table_ok(json.loads(json.dumps(r2.snapshot())), graphs=True)  # 16 unseeded

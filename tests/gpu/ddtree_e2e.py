@@ -14,7 +14,8 @@ A budget may also be `auto` (--speculative-ddtree-budget auto, the controller's 
 `autocycle` (auto with SGLANG_DDTREE_AUTO_CYCLE=1: the width changes every round); both must
 match the plain target like a fixed budget (also in the mixed greedy + sampled batches, which
 they serve), and /get_server_info must show the controller with at least two widths run
-(autocycle: every width).
+(autocycle: every width) and its start-up cost table (with CUDA graphs: measured by graph
+replays, every seeded verify time positive; eager: skipped).
 
 Every server also serves (compared with the plain target's outputs): 40 concurrent requests
 of random prompt and output lengths, and requests with a stop token (ends inside a round).
@@ -494,26 +495,51 @@ def stop_server(proc: subprocess.Popen) -> None:
         return
 
 
+def startup_table_ok(snap: dict, graphs: bool) -> bool:
+    """Budget auto's start-up cost table (graph replays): with CUDA graphs, measured, and every
+    seeded verify time positive, every width with a seed (monotone in the width is not
+    guaranteed, so not checked); eager: skipped (the table fills online)."""
+    startup = snap.get("startup") or {}
+    if not graphs:
+        return startup.get("status") == "skipped"
+    rows = (snap.get("cost_table") or {}).get("verify_ms") or []
+    cells = [ms for row in rows for ms in row if ms is not None]
+    columns = list(zip(*rows)) if rows else []
+    return (
+        startup.get("status") == "measured"
+        and (startup.get("seeded") or 0) > 0
+        and len(cells) == startup.get("seeded")
+        and all(ms > 0 for ms in cells)
+        and bool(columns)
+        and all(any(ms is not None for ms in col) for col in columns)
+    )
+
+
 def auto_check(cfg: Config, port: int) -> dict:
     """Budget auto after the greedy, concurrent and stop requests: /get_server_info's
-    internal_states carry the controller's snapshot; at least two widths ran (autocycle: all)."""
+    internal_states carry the controller's snapshot; at least two widths ran (autocycle: all);
+    the start-up cost table is there (graphs: measured and positive; eager: skipped)."""
     states = get(port, "/get_server_info").get("internal_states") or [{}]
     snap = states[0].get("ddtree_budget_auto") or {}
     chosen = {w: n for w, n in (snap.get("chosen") or {}).items() if n}
     widths = snap.get("widths") or []
     need = len(widths) if cfg.auto == "autocycle" else 2
+    startup_ok = startup_table_ok(snap, "--disable-cuda-graph" not in cfg.extra)
     return {
         "widths": widths,
         "mode": snap.get("mode"),
         "chosen": snap.get("chosen"),
         "observed_rounds": snap.get("observed_rounds"),
         "dropped_rounds": snap.get("dropped_rounds"),
+        "startup": snap.get("startup"),
+        "startup_ok": startup_ok,
         "cost_table": snap.get("cost_table"),
         "expected_committed": snap.get("expected_committed"),
         "ok": bool(snap)
         and snap.get("mode") == ("cycle" if cfg.auto == "autocycle" else "controller")
         and len(chosen) >= max(need, 1)
-        and (snap.get("observed_rounds") or 0) > 0,
+        and (snap.get("observed_rounds") or 0) > 0
+        and startup_ok,
     }
 
 
@@ -588,6 +614,7 @@ def _sync_note(r: dict) -> str:
     if r.get("auto") is not None:
         a = r["auto"]
         note += f", auto {'ok' if a.get('ok') else 'FAIL'} ran {a.get('chosen')}"
+        note += f", start-up table {'ok' if a.get('startup_ok') else 'FAIL'}"
     return note
 
 

@@ -8,12 +8,18 @@
 - none of the round pieces after the verify makes the host wait for queued GPU work (a wait
   that sync debug mode does not see: `buf[index] = True` on CUDA was one, 86 ms per round on
   the H200 behind a queued matmul, until restore_true_mask replaced it);
+- budget auto's start-up cost table: real CUDA graphs of growing work per (batch size, width)
+  in SGLang's FullCudaGraphBackend under the real runner's keys, replayed and timed with CUDA
+  events by ddtree_auto_v2.seed_startup_costs: every cell filled and positive, the graphs'
+  outputs unchanged by the replays;
 - the one-launch KV path move (ddtree_utils.move_kv_rows, compiled for real) at the Qwen3-8B
   cache shape (72 buffers of 8 x 128 bf16 rows), bs 1..64, equals the pool's own move in two
   copies through the staging slots (on the verify slots) and the gather reference; its GPU time vs the two copies.
 """
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 
@@ -128,6 +134,67 @@ def test_proposer_graph_and_no_host_sync():
     want = ddtree_utils.verify_greedy_reference(tokens.cpu(), nxt.cpu(), sib.cpu(), predict.cpu(), depth)
     for a, b in zip((acc, acc_len, bonus), want):
         assert torch.equal(a.cpu(), b)
+
+
+def test_startup_cost_table_replays_real_graphs():
+    """seed_startup_costs on real CUDA graphs: per width, a DecodeCudaGraphRunner (real class,
+    built without a model: its capture needs one) whose real FullCudaGraphBackend holds one
+    captured graph per batch size, each a matmul of bs * width rows; timed with the real CUDA
+    event timer. Checks only what must hold: every (size, width) cell measured, finite and
+    positive, seeded into the table and in the snapshot (monotone in the width is not
+    guaranteed), and a replay recomputes the same output (it is the captured work)."""
+    import math
+
+    from sglang.srt.model_executor.runner.decode_cuda_graph_runner import (
+        DecodeCudaGraphRunner,
+    )
+    from sglang.srt.model_executor.runner_backend.full_cuda_graph_backend import (
+        FullCudaGraphBackend,
+    )
+    from sglang.srt.speculative.ddtree_auto_v2 import (
+        VerifyWidthState,
+        seed_startup_costs,
+    )
+    from sglang.srt.speculative.ddtree_budget import AutoRounds
+
+    widths, sizes, hidden = [8, 16, 32], [1, 4, 16], 1024
+    weight = torch.randn(hidden, hidden, device="cuda")
+    states, outputs = {}, []
+    for w in widths:
+        runner = object.__new__(DecodeCudaGraphRunner)
+        runner.capture_bs, runner.captured_req_width, runner.ragged_verify_mode = sizes, w, False
+        runner.device_module = torch.cuda
+        runner.model_runner = SimpleNamespace(tp_group=None)
+        runner.backend = FullCudaGraphBackend(runner)
+        for bs in sizes:
+            x = torch.randn(bs * w, hidden, device="cuda")
+            y = x @ weight  # warm-up outside the graph (cuBLAS set-up)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                y = x @ weight
+            key = runner._make_graph_key(runner._capture_graph_size(bs=bs, num_tokens=bs * w))
+            runner.backend._graphs[key], runner.backend._outputs[key] = graph, y  # as capture_one
+            outputs.append((graph, x, y))
+        states[w] = VerifyWidthState(w, None, runner)
+    auto = AutoRounds(widths, max(widths) - 1, sizes + [64], graph_sizes=sizes, device="cuda")
+    status = seed_startup_costs(auto, states)
+    assert status["status"] == "measured" and status["cells"] == status["seeded"] == len(widths) * len(sizes)
+    snap = auto.snapshot()
+    assert snap["startup"] == status
+    rows = snap["cost_table"]["verify_ms"]
+    for i, b in enumerate(snap["cost_table"]["buckets"]):
+        for ms in rows[i]:
+            if b in sizes:
+                assert ms is not None and math.isfinite(ms) and ms > 0, rows
+            else:
+                assert ms is None  # the running cap above the graphs: no seed
+    print("\nstart-up verify table (ms):\n" + auto.controller.table.format_ms("verify"))
+    for graph, x, y in outputs[:2]:
+        want = x @ weight
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.allclose(y, want, rtol=1e-3, atol=1e-3)
 
 
 def _gpu_ms(fn, reps: int = 20) -> float:

@@ -321,8 +321,184 @@ def test_server_info_shows_the_controller(parse):
     assert auto["widths"] == args.speculative_ddtree_auto_widths == [int(x) for x in auto["options"]]
     assert auto["chosen"][str(w)] == 1 and auto["observed_rounds"] == 1 and auto["last"] == str(w)
     assert auto["cost_table"]["buckets"] == rounds.controller.table.buckets
+    assert {"ms", "verify_ms", "offset_ms", "cost_ms"} <= set(auto["cost_table"])
+    assert auto["startup"] == {"status": "not measured"}  # no init_cuda_graphs in this test
     assert set(auto["calibration"]["ratio"]) == {str(x) for x in rounds.widths}
     assert state["ddtree_debug_metrics"]["rounds"] == 1
     json.dumps(state["ddtree_budget_auto"])
     # a fixed budget without debug metrics adds nothing
     assert DDTreeWorkerV2.get_ddtree_server_info(_worker_stub(None)) == {}
+
+
+# ------------------------------------------------------------------------------------------
+# Start-up cost table: each width's captured verify graphs replayed and timed
+
+
+class _Clock:
+    """A fake clock for the replay test double: each replay advances it by the verify cost of
+    its (batch size, width), so the measurement can be checked exactly."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def timer(self, fn, repeats):  # the measurement's timer contract: mean seconds of a call
+        start = self.now
+        for _ in range(repeats):
+            fn()
+        return (self.now - start) / repeats
+
+
+class _ReplayDouble:
+    """Test double for a captured torch.cuda.CUDAGraph (capture and replay need a GPU): replay()
+    advances the fake clock by the cell's cost and counts itself; ``fail`` makes it raise."""
+
+    def __init__(self, clock, seconds, fail=False):
+        self.clock, self.seconds, self.fail, self.replays = clock, seconds, fail, 0
+
+    def replay(self):
+        if self.fail:
+            raise RuntimeError("CUDA error: replay failed")
+        self.replays += 1
+        self.clock.now += self.seconds
+
+
+def _verify_cost(bs, w):
+    return 1e-3 * (1.0 + bs * w / 64.0)
+
+
+def _graph_runner(width, capture_bs, clock, fail_bs=()):
+    """A real DecodeCudaGraphRunner (its shape-key methods) with a real FullCudaGraphBackend,
+    built without capturing (that needs a GPU): the backend holds replay doubles and stand-in
+    outputs under the runner's own keys, where capture_one leaves a torch.cuda.CUDAGraph and the
+    forward's output, plus one graph under a LoRA-variant key the measurement must leave out."""
+    from sglang.srt.model_executor.runner.decode_cuda_graph_runner import (
+        DecodeCudaGraphRunner,
+    )
+    from sglang.srt.model_executor.runner_backend.full_cuda_graph_backend import (
+        FullCudaGraphBackend,
+    )
+
+    runner = object.__new__(DecodeCudaGraphRunner)
+    runner.capture_bs, runner.captured_req_width, runner.ragged_verify_mode = list(capture_bs), width, False
+    runner.device_module = torch.cuda
+    runner.model_runner = SimpleNamespace(tp_group=None)
+    runner.backend = FullCudaGraphBackend(runner)
+    graphs = {}
+    for bs in capture_bs:
+        key = runner._make_graph_key(runner._capture_graph_size(bs=bs, num_tokens=bs * width))
+        graphs[bs] = runner.backend._graphs[key] = _ReplayDouble(clock, _verify_cost(bs, width), bs in fail_bs)
+        runner.backend._outputs[key] = ("output", bs)
+    lora = _ReplayDouble(clock, 1.0)
+    lora_key = runner._make_graph_key(max(capture_bs) * 2, None, "lora")
+    runner.backend._graphs[lora_key], runner.backend._outputs[lora_key] = lora, ("output", "lora")
+    return runner, graphs, lora
+
+
+def test_startup_replays_time_every_captured_size_of_every_width_and_seed_the_table(caplog):
+    """measure_verify_seconds replays each width's captured graphs (the real runner's keys, the
+    real backend's replay and replay session) after a warm-up and times them; seed_startup_costs
+    seeds budget auto's cost table with them and logs the table. The graphs and the clock are
+    test doubles (CUDA graphs and events need a GPU); the eager width (no graphs) has no cells."""
+    import logging
+
+    from sglang.srt.speculative.ddtree_auto_v2 import (
+        STARTUP_REPEATS,
+        STARTUP_WARMUP,
+        VerifyWidthState,
+        measure_verify_seconds,
+        seed_startup_costs,
+    )
+
+    clock, widths, sizes = _Clock(), [8, 16, 32], [1, 2, 4, 8]
+    states, graphs, loras = {}, {}, []
+    for w in widths[:2]:
+        runner, graphs[w], lora = _graph_runner(w, sizes, clock)
+        states[w] = VerifyWidthState(w, ("backend", w), runner)
+        loras.append(lora)
+    states[32] = VerifyWidthState(32, ("backend", 32), None)
+    got = measure_verify_seconds(states, timer=clock.timer)
+    want = {(bs, w): _verify_cost(bs, w) for w in widths[:2] for bs in sizes}
+    assert got.keys() == want.keys()
+    for cell, s in want.items():
+        assert got[cell] == pytest.approx(s, rel=1e-12)
+    for w in widths[:2]:
+        assert all(g.replays == STARTUP_WARMUP + STARTUP_REPEATS for g in graphs[w].values())
+    assert all(lora.replays == 0 for lora in loras)
+
+    auto = db.AutoRounds(widths, 31, [1, 2, 4, 8, 48], graph_sizes=sizes)
+    with caplog.at_level(logging.INFO, logger="sglang.srt.speculative.ddtree_auto_v2"):
+        status = seed_startup_costs(auto, states, timer=clock.timer)
+    assert status["status"] == "measured" and status["cells"] == status["seeded"] == 8
+    assert auto.snapshot()["startup"] == status
+    table = auto.controller.table
+    for i, b in enumerate(table.buckets):
+        for j, w in enumerate(widths):
+            seeded = table.verify[i][j]
+            if (b, w) in want:
+                assert seeded == pytest.approx(want[(b, w)], rel=1e-12)
+            else:
+                assert seeded is None  # the eager width, the running cap above the graphs
+    assert table.missing(4) == [32] and table.missing(48) == widths
+    assert "start-up verify cost table" in caplog.text and table.format_ms("verify") in caplog.text
+
+
+def test_startup_measurement_never_fails_the_start(caplog):
+    """A replay that raises, CUDA graphs off, or tp > 1: seed_startup_costs logs why, seeds
+    nothing (the table fills online, as before) and returns. Replay doubles as above."""
+    import logging
+
+    from sglang.srt.speculative.ddtree_auto_v2 import (
+        VerifyWidthState,
+        seed_startup_costs,
+    )
+
+    clock = _Clock()
+    ok, ok_graphs, _ = _graph_runner(8, [1, 2], clock)
+    bad, _, _ = _graph_runner(16, [1, 2], clock, fail_bs=(2,))
+    states = {8: VerifyWidthState(8, None, ok), 16: VerifyWidthState(16, None, bad)}
+    auto = db.AutoRounds([8, 16], 15, [1, 2])
+    with caplog.at_level(logging.WARNING, logger="sglang.srt.speculative.ddtree_auto_v2"):
+        status = seed_startup_costs(auto, states, timer=clock.timer)
+    assert status["status"] == "failed" and "replay failed" in status["reason"]
+    assert "fills online" in caplog.text
+    table = auto.controller.table
+    assert all(s is None for row in table.verify for s in row) and table.missing(1) == [8, 16]
+
+    eager = {w: VerifyWidthState(w, None, None) for w in (8, 16)}
+    assert seed_startup_costs(auto, eager, timer=clock.timer)["reason"].startswith("CUDA graphs are off")
+    before = sum(g.replays for g in ok_graphs.values())
+    status = seed_startup_costs(auto, {8: states[8]}, tp_size=2, timer=clock.timer)
+    assert status == {"status": "skipped", "reason": "tp_size > 1"} == auto.snapshot()["startup"]
+    assert sum(g.replays for g in ok_graphs.values()) == before  # nothing replayed
+    assert all(s is None for row in table.verify for s in row)
+
+
+def test_the_worker_builds_its_widths_then_the_startup_table(parse):
+    """DDTreeWorkerV2.init_cuda_graphs (real, on a worker built without its GPU __init__): after
+    the draft's graphs it builds every width's verify state and then the start-up cost table;
+    with CUDA graphs off that is skipped, said in the snapshot, and the table fills online. The
+    draft worker and the target model runner are stand-ins (they need a GPU model)."""
+    from sglang.srt.speculative.ddtree_auto_v2 import auto_rounds
+    from sglang.srt.speculative.ddtree_worker_v2 import DDTreeWorkerV2
+
+    args = parse("--speculative-ddtree-budget auto --disable-cuda-graph --max-running-requests 8")
+    widest = args.speculative_num_draft_tokens
+
+    class Runner(SimpleNamespace):
+        def _get_attention_backend(self, init_new_workspace=False):
+            return ("backend", int(self.server_args.speculative_num_draft_tokens))
+
+    calls = []
+    worker = object.__new__(DDTreeWorkerV2)
+    worker.server_args = args
+    worker._draft_worker = SimpleNamespace(init_cuda_graphs=lambda **kw: calls.append(kw))
+    worker._target_worker = SimpleNamespace(model_runner=Runner(
+        server_args=args, attn_backend=("backend", widest), decode_cuda_graph_runner=None, device="cpu"))
+    worker.ps = SimpleNamespace(tp_rank=0, tp_size=1)
+    worker._auto = auto_rounds(args, "cpu")
+    worker.debug_metrics = None
+    worker.init_cuda_graphs()
+    assert calls == [{"capture_decode_cuda_graph": False}]
+    assert sorted(worker._verify_states) == args.speculative_ddtree_auto_widths
+    startup = worker.get_ddtree_server_info()["ddtree_budget_auto"]["startup"]
+    assert startup == {"status": "skipped", "reason": "CUDA graphs are off (eager verify)"}
