@@ -577,3 +577,43 @@ def test_auto_rounds_cycle_overflow_and_event_timing():
     assert r.controller.table.cost(4, 4) == pytest.approx(0.005)  # 1st dropped, 3rd not complete
     with pytest.raises(ValueError, match="widths must lie"):
         db.AutoRounds([2, 16], 7, [4])
+
+
+def test_auto_rounds_offer_off_as_a_width_one_round():
+    """off=True: OFF is an option of the controller, run as a round of verify width OFF_WIDTH
+    (the worker's width-1 verify, no draft forward, so no estimate in the ring). Warm-up runs
+    it like a width; its rounds are timed into the OFF column, leave the tree widths' estimates
+    and calibrations as they were, and count in the snapshot. When the table says a round of
+    off costs so little that one token beats the trees' tokens per second, the controller
+    chooses it; every explore_every-th choice still runs the narrowest tree. The cycle starts
+    with off."""
+    widths = [2, 4]
+    r = db.AutoRounds(widths, 3, [4], off=True, explore_every=4)
+    assert r.verify_widths == [db.OFF_WIDTH, 2, 4] and r.controller.options == [2, 4, db.OFF]
+    exp = torch.tensor([[1.5, 2.0]] * 4)
+    ran = []
+    for i in range(6):  # warm-up: every option twice (the first timing of a cell is dropped)
+        w = r.choose(4)
+        ran.append(w)
+        # synthetic seconds: an off round 1 ms, a tree round 10 ms
+        cost = 1e-3 if w == db.OFF_WIDTH else 1e-2
+        r.record(w, None if w == db.OFF_WIDTH else exp, 0.0, cost, bs=4)
+        r.on_verify_complete_cpu([0 if w == db.OFF_WIDTH else 1] * 4, 4)
+    assert sorted(ran) == [1, 1, 2, 2, 4, 4]
+    assert r.controller.table.cost(4, db.OFF) == pytest.approx(1e-3)
+    assert r.controller.calibration.rounds[db.OFF] == 0  # nothing to calibrate: E(off) = 1
+    assert r.controller.predicted[2] == pytest.approx(1.5) and r.controller.predicted[4] == pytest.approx(2.0)
+    # 4 x 1 token / 1 ms beats 4 x 2 tokens / 10 ms: off, except the exploration round
+    picks = [r.choose(4) for _ in range(8)]
+    assert picks.count(db.OFF_WIDTH) == 6 and set(picks) - {db.OFF_WIDTH} == {2}
+    snap = r.snapshot()
+    assert snap["off"] is True and snap["chosen"]["off"] == 2 + 6 and snap["options"] == ["2", "4", "off"]
+    with pytest.raises(ValueError, match="batch size"):
+        r.record(db.OFF_WIDTH, None, 0.0, 1e-3)
+    with pytest.raises(ValueError, match="tree widths must be"):
+        db.AutoRounds([1, 2], 1, [4], off=True)
+    c = db.AutoRounds(widths, 3, [4], off=True, cycle=True)
+    assert [c.choose(4) for _ in range(4)] == [db.OFF_WIDTH, 2, 4, db.OFF_WIDTH]
+    assert c.snapshot()["chosen"] == {"2": 1, "4": 1, "off": 2}
+    plain = db.AutoRounds(widths, 3, [4])
+    assert plain.verify_widths == widths and db.OFF not in plain.controller.options
