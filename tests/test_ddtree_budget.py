@@ -434,9 +434,11 @@ def test_controller_driven_rounds_stay_exact_and_move_the_width():
 
 @pytest.mark.stat
 def test_sampled_rounds_with_changing_width_draw_the_targets_distribution():
-    """20000 requests from one prompt, rounds at widths 13, 3, 7 (depth 2: each round commits
-    1-3 tokens, so the first three tokens span width changes): their joint distribution is the
-    target's p(t1) p(t2 | t1) p(t3 | t1, t2), computed exactly here (chi-square, fixed seed)."""
+    """20000 requests from one prompt, rounds at widths 13, 1 (an ``off`` round: the root alone,
+    whose token is the target's own sample there), 3, 7 (depth 2: each tree round commits 1-3
+    tokens, so the first three tokens span width changes and the off round): their joint
+    distribution is the target's p(t1) p(t2 | t1) p(t3 | t1, t2), computed exactly here
+    (chi-square, fixed seed)."""
     vocab, depth, k, budget, reps = 4, 2, 3, 12, 20000
     target, noise = _tables(5, vocab, 0.8)
     gen = torch.Generator().manual_seed(6)
@@ -445,8 +447,10 @@ def test_sampled_rounds_with_changing_width_draw_the_targets_distribution():
     root = torch.full((reps,), r0, dtype=torch.int64)
     seqs = [[] for _ in range(reps)]
     crossed = 0
-    for w in (13, 3, 7):
+    for w in (13, db.OFF_WIDTH, 3, 7):
         emitted, _ = _round(target, noise, prev2, root, w, budget, depth, k, gen)
+        if w == db.OFF_WIDTH:
+            assert all(len(t) == 1 for t in emitted)  # one token: the target's sample at the root
         for b, toks in enumerate(emitted):
             crossed += w != 13 and len(seqs[b]) < 3
             seqs[b] += toks
