@@ -336,7 +336,12 @@ def test_off_mode_switch_and_the_root_only_tree(monkeypatch, parse):
     """SGLANG_DDTREE_AUTO_OFF=1 offers `off` (width 1): the feed's verify widths and cycle start
     with it. An off round's tree (ddtree_auto_v2.root_tree) is the root alone, equal to
     truncate_tree(tree, 1) of the real proposer's tree with that root."""
-    from sglang.srt.speculative.ddtree_auto_v2 import OFF_ENV, auto_rounds, off_mode, root_tree
+    from sglang.srt.speculative.ddtree_auto_v2 import (
+        OFF_ENV,
+        auto_rounds,
+        off_mode,
+        root_tree,
+    )
 
     monkeypatch.setenv(OFF_ENV, "maybe")
     with pytest.raises(ValueError, match=OFF_ENV):
@@ -380,7 +385,9 @@ class _WorkerRound:
         from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
         from sglang.srt.speculative.ddtree_auto_v2 import VerifyWidthState
         from sglang.srt.speculative.ddtree_worker_v2 import DDTreeWorkerV2
-        from sglang.srt.speculative.draft_worker_common import make_draft_block_spec_info
+        from sglang.srt.speculative.draft_worker_common import (
+            make_draft_block_spec_info,
+        )
 
         self.table, self.block, self.vocab, self.bs = table, block, vocab, bs
         self.g = torch.Generator().manual_seed(seed)
