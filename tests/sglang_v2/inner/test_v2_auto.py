@@ -351,6 +351,19 @@ def test_off_mode_switch_and_the_root_only_tree(monkeypatch, parse):
     rounds = auto_rounds(args, "cpu")
     assert rounds.off and rounds.verify_widths == [db.OFF_WIDTH, *args.speculative_ddtree_auto_widths]
     assert rounds.widths == args.speculative_ddtree_auto_widths  # the proposer prices trees only
+    # width 1 gets its verify state like any width (stand-in runner, as in the test above: its
+    # backends need a GPU), built under the width override, which is restored after
+    from sglang.srt.speculative.ddtree_auto_v2 import build_verify_states
+
+    class Runner(SimpleNamespace):
+        def _get_attention_backend(self, init_new_workspace=False):
+            return ("backend", int(self.server_args.speculative_num_draft_tokens))
+
+    widest = args.speculative_num_draft_tokens
+    runner = Runner(server_args=args, attn_backend=("backend", widest), decode_cuda_graph_runner=None, device="cpu")
+    states = build_verify_states(runner, rounds.verify_widths, capture=False, log=False)
+    assert states[db.OFF_WIDTH].attn_backend == ("backend", 1) and states[db.OFF_WIDTH].graph_runner is None
+    assert sorted(states) == rounds.verify_widths and args.speculative_num_draft_tokens == widest
     monkeypatch.setenv(OFF_ENV, "0")
     assert not auto_rounds(args, "cpu").off
 
