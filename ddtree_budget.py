@@ -41,6 +41,7 @@ from torch import Tensor
 __all__ = [
     "CHAIN",
     "OFF",
+    "OFF_WIDTH",
     "AcceptCalibration",
     "AutoRounds",
     "BudgetController",
@@ -56,6 +57,7 @@ __all__ = [
 
 CHAIN = "chain"
 OFF = "off"
+OFF_WIDTH = 1  # the verify width of an OFF round: only the root (the previous bonus)
 Option = int | str
 
 
@@ -322,13 +324,14 @@ class CostTable:
 
     def observe(self, bs: int, option: Option, seconds: float) -> None:
         """One timed round: the cell's moving average (the first measurement as it is) and, for
-        a seeded cell, the bucket's width-independent rest."""
+        a seeded cell of a tree width, the bucket's width-independent rest (an off round has no
+        draft forward, so its time says nothing about the trees' rest)."""
         i, j = self.bucket_index(bs), self.options.index(option)
         s = self._check(seconds)
         old = self.seconds[i][j]
         self.seconds[i][j] = s if old is None else self.decay * old + (1.0 - self.decay) * s
         v = self.verify[i][j]
-        if v is not None:
+        if v is not None and option != OFF:  # an off round drafts nothing: not the trees' rest
             rest, old = max(0.0, s - v), self.offset[i]
             self.offset[i] = rest if old is None else self.decay * old + (1.0 - self.decay) * rest
 
@@ -525,6 +528,11 @@ class AutoRounds:
 
     ``cycle=True`` (``SGLANG_DDTREE_AUTO_CYCLE=1``, the exactness matrix): the widths in turn,
     one per round, so the width changes every round; the feed still runs (snapshot).
+
+    ``off=True`` (``SGLANG_DDTREE_AUTO_OFF=1``): :data:`OFF` is an option too, run as a round
+    of verify width :data:`OFF_WIDTH` (only the root; no draft forward, so no estimate:
+    :meth:`record` takes ``expected=None``). :meth:`choose` returns ``OFF_WIDTH`` for it;
+    :attr:`verify_widths` lists it with the tree widths; the cycle starts with it.
     """
 
     def __init__(
@@ -538,14 +546,21 @@ class AutoRounds:
         ring: int = 64,
         explore_every: int = 64,
         log_interval: int = 200,
+        off: bool = False,
     ):
         self.widths = sorted(int(w) for w in widths)
         if not self.widths or self.widths[0] < 1 or self.widths[-1] > int(budget) + 1:
             raise ValueError(f"widths must lie in 1..{int(budget) + 1}, got {list(widths)}")
+        self.off = bool(off)
+        if self.off and self.widths[0] <= OFF_WIDTH:
+            raise ValueError(f"with off, tree widths must be > {OFF_WIDTH}, got {list(widths)}")
         self.budget = int(budget)
         self.index = width_gather_index(self.widths, self.budget, device)
-        table = CostTable(buckets, self.widths, graph_sizes=graph_sizes)
-        self.controller = BudgetController(self.widths, table, explore_every=explore_every)
+        options = [*self.widths, *([OFF] if self.off else [])]
+        table = CostTable(buckets, options, graph_sizes=graph_sizes)
+        self.controller = BudgetController(options, table, explore_every=explore_every)
+        # The verify widths the worker needs a state for; the cycle's order.
+        self.verify_widths = [*([OFF_WIDTH] if self.off else []), *self.widths]
         self.cycle = bool(cycle)
         pin = torch.device(device).type == "cuda" if device is not None else False
         self.ring = torch.zeros((int(ring), len(self.widths)), dtype=torch.float32, pin_memory=pin)
@@ -565,28 +580,43 @@ class AutoRounds:
         Returns how many cells were seeded."""
         table = self.controller.table
         cells = [(int(bs), int(w), table._check(s)) for (bs, w), s in verify_seconds.items()]
-        return sum(table.seed(bs, w, s) for bs, w, s in cells if w in self.widths)
+        served = set(self.widths) | ({OFF_WIDTH} if self.off else set())
+        # width 1 seeds the off option: its rest is learned from tree rounds (which draft), so off
+        # starts over-estimated until its own rounds are timed
+        return sum(table.seed(bs, self.option(w), s) for bs, w, s in cells if w in served)
+
+    def option(self, width: int) -> Option:
+        """The controller's option a round of verify width ``width`` ran."""
+        return OFF if self.off and int(width) == OFF_WIDTH else int(width)
 
     def choose(self, bs: int) -> int:
-        """The width of the next round of ``bs`` requests."""
+        """The verify width of the next round of ``bs`` requests (``OFF_WIDTH``: off)."""
         self.rounds += 1
         if not self.cycle:
-            return int(self.controller.choose(int(bs)))
-        w = self.widths[(self.rounds - 1) % len(self.widths)]
-        self.controller.history[w] += 1
-        self.controller.last = w
+            o = self.controller.choose(int(bs))
+            return OFF_WIDTH if o == OFF else int(o)
+        w = self.verify_widths[(self.rounds - 1) % len(self.verify_widths)]
+        o = self.option(w)
+        self.controller.history[o] += 1
+        self.controller.last = o
         return w
 
-    def record(self, width: int, expected: Tensor, start=None, end=None) -> None:
-        """One issued round: its width, ``expected`` ``[bs, W]`` (device) and its start / end
-        marks (CUDA events recorded on the forward stream, or host seconds; None: untimed)."""
-        slot = self.slot
-        self.slot = (slot + 1) % self.ring.shape[0]
-        self.ring[slot].copy_(expected.sum(dim=0), non_blocking=True)
+    def record(self, width: int, expected: Tensor | None, start=None, end=None, bs: int | None = None) -> None:
+        """One issued round: its width, ``expected`` ``[bs, W]`` (device; None for an off
+        round, which then gives ``bs``) and its start / end marks (CUDA events recorded on the
+        forward stream, or host seconds; None: untimed)."""
+        slot = None
+        if expected is not None:
+            slot = self.slot
+            self.slot = (slot + 1) % self.ring.shape[0]
+            self.ring[slot].copy_(expected.sum(dim=0), non_blocking=True)
+            bs = int(expected.shape[0])
+        elif bs is None:
+            raise ValueError("a round without an estimate needs its batch size")
         if len(self.pending) >= self.ring.shape[0] - 1:  # results never came back: forget
             self.pending.popleft()
             self.dropped += 1
-        self.pending.append((slot, int(width), int(expected.shape[0]), start, end))
+        self.pending.append((slot, int(width), int(bs), start, end))
 
     @staticmethod
     def _seconds(start, end) -> float | None:
@@ -608,15 +638,16 @@ class AutoRounds:
         if n != bs:
             self.dropped += 1
             return False
-        sums = dict(zip(self.widths, self.ring[slot].tolist()))
+        sums = {} if slot is None else dict(zip(self.widths, self.ring[slot].tolist()))
         realised = float(sum(int(x) for x in num_correct_drafts_per_req)) + n
-        self.controller.observe(width, sums, realised, n)
+        option = self.option(width)
+        self.controller.observe(option, sums, realised, n)
         seconds = self._seconds(start, end)
         if seconds is not None and seconds > 0:
             table = self.controller.table
-            cell = (table.bucket_index(bs), width)
+            cell = (table.bucket_index(bs), option)
             if cell in self.warm:
-                table.observe(bs, width, seconds)
+                table.observe(bs, option, seconds)
             else:
                 self.warm.add(cell)
         self.observed += 1
@@ -626,6 +657,7 @@ class AutoRounds:
         out = self.controller.snapshot()
         out.update(
             widths=list(self.widths),
+            off=self.off,
             mode="cycle" if self.cycle else "controller",
             rounds=self.rounds,
             observed_rounds=self.observed,

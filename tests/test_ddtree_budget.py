@@ -572,9 +572,11 @@ def test_controller_driven_rounds_stay_exact_and_move_the_width():
 
 @pytest.mark.stat
 def test_sampled_rounds_with_changing_width_draw_the_targets_distribution():
-    """20000 requests from one prompt, rounds at widths 13, 3, 7 (depth 2: each round commits
-    1-3 tokens, so the first three tokens span width changes): their joint distribution is the
-    target's p(t1) p(t2 | t1) p(t3 | t1, t2), computed exactly here (chi-square, fixed seed)."""
+    """20000 requests from one prompt, rounds at widths 13, 1 (an ``off`` round: the root alone,
+    whose token is the target's own sample there), 3, 7 (depth 2: each tree round commits 1-3
+    tokens, so the first three tokens span width changes and the off round): their joint
+    distribution is the target's p(t1) p(t2 | t1) p(t3 | t1, t2), computed exactly here
+    (chi-square, fixed seed)."""
     vocab, depth, k, budget, reps = 4, 2, 3, 12, 20000
     target, noise = _tables(5, vocab, 0.8)
     gen = torch.Generator().manual_seed(6)
@@ -583,8 +585,10 @@ def test_sampled_rounds_with_changing_width_draw_the_targets_distribution():
     root = torch.full((reps,), r0, dtype=torch.int64)
     seqs = [[] for _ in range(reps)]
     crossed = 0
-    for w in (13, 3, 7):
+    for w in (13, db.OFF_WIDTH, 3, 7):
         emitted, _ = _round(target, noise, prev2, root, w, budget, depth, k, gen)
+        if w == db.OFF_WIDTH:
+            assert all(len(t) == 1 for t in emitted)  # one token: the target's sample at the root
         for b, toks in enumerate(emitted):
             crossed += w != 13 and len(seqs[b]) < 3
             seqs[b] += toks
@@ -715,3 +719,66 @@ def test_auto_rounds_cycle_overflow_and_event_timing():
     assert r.controller.table.cost(4, 4) == pytest.approx(0.005)  # 1st dropped, 3rd not complete
     with pytest.raises(ValueError, match="widths must lie"):
         db.AutoRounds([2, 16], 7, [4])
+
+
+def test_auto_rounds_offer_off_as_a_width_one_round():
+    """off=True: OFF is an option of the controller, run as a round of verify width OFF_WIDTH
+    (the worker's width-1 verify, no draft forward, so no estimate in the ring). Warm-up runs
+    it like a width; its rounds are timed into the OFF column, leave the tree widths' estimates
+    and calibrations as they were, and count in the snapshot. When the table says a round of
+    off costs so little that one token beats the trees' tokens per second, the controller
+    chooses it; every explore_every-th choice still runs the narrowest tree. The cycle starts
+    with off."""
+    widths = [2, 4]
+    r = db.AutoRounds(widths, 3, [4], off=True, explore_every=4)
+    assert r.verify_widths == [db.OFF_WIDTH, 2, 4] and r.controller.options == [2, 4, db.OFF]
+    exp = torch.tensor([[1.5, 2.0]] * 4)
+    ran = []
+    for i in range(6):  # warm-up: every option twice (the first timing of a cell is dropped)
+        w = r.choose(4)
+        ran.append(w)
+        # synthetic seconds: an off round 1 ms, a tree round 10 ms
+        cost = 1e-3 if w == db.OFF_WIDTH else 1e-2
+        r.record(w, None if w == db.OFF_WIDTH else exp, 0.0, cost, bs=4)
+        r.on_verify_complete_cpu([0 if w == db.OFF_WIDTH else 1] * 4, 4)
+    assert sorted(ran) == [1, 1, 2, 2, 4, 4]
+    assert r.controller.table.cost(4, db.OFF) == pytest.approx(1e-3)
+    assert r.controller.calibration.rounds[db.OFF] == 0  # nothing to calibrate: E(off) = 1
+    assert r.controller.predicted[2] == pytest.approx(1.5) and r.controller.predicted[4] == pytest.approx(2.0)
+    # 4 x 1 token / 1 ms beats 4 x 2 tokens / 10 ms: off, except the exploration round
+    picks = [r.choose(4) for _ in range(8)]
+    assert picks.count(db.OFF_WIDTH) == 6 and set(picks) - {db.OFF_WIDTH} == {2}
+    snap = r.snapshot()
+    assert snap["off"] is True and snap["chosen"]["off"] == 2 + 6 and snap["options"] == ["2", "4", "off"]
+    with pytest.raises(ValueError, match="batch size"):
+        r.record(db.OFF_WIDTH, None, 0.0, 1e-3)
+    with pytest.raises(ValueError, match="tree widths must be"):
+        db.AutoRounds([1, 2], 1, [4], off=True)
+    c = db.AutoRounds(widths, 3, [4], off=True, cycle=True)
+    assert [c.choose(4) for _ in range(4)] == [db.OFF_WIDTH, 2, 4, db.OFF_WIDTH]
+    assert c.snapshot()["chosen"] == {"2": 1, "4": 1, "off": 2}
+    plain = db.AutoRounds(widths, 3, [4])
+    assert plain.verify_widths == widths and db.OFF not in plain.controller.options
+
+
+def test_off_is_seeded_from_width_one_and_its_rounds_leave_the_trees_rest_alone():
+    """With off: the start-up replay of width OFF_WIDTH seeds the off option (priced verify +
+    the trees' rest until its own rounds are timed); a timed off round (no draft forward) moves
+    only its own cell, not the rest that the seeded tree widths are priced with."""
+    widths, buckets, bs = [2, 4], [4], 4
+    verify = {(4, 1): 1e-3, (4, 2): 2e-3, (4, 4): 3e-3}
+    r = db.AutoRounds(widths, 3, buckets, off=True, explore_every=0)
+    assert r.seed_verify(verify) == 3
+    table = r.controller.table
+    tree_rest = 5e-3
+    for w in (2, 2):  # the first timed round of a cell is dropped, the second teaches the rest
+        r.record(w, torch.ones(bs, len(widths)), 0.0, verify[(4, w)] + tree_rest)
+        r.on_verify_complete_cpu([1] * bs, bs)
+    assert table.offset[0] == pytest.approx(tree_rest)
+    assert table.cost(bs, db.OFF) == pytest.approx(verify[(4, 1)] + tree_rest)  # seeded, not yet run
+    for _ in range(2):
+        r.record(db.OFF_WIDTH, None, 0.0, verify[(4, 1)] + 1e-4, bs=bs)
+        r.on_verify_complete_cpu([0] * bs, bs)
+    assert table.offset[0] == pytest.approx(tree_rest)  # unchanged by the off rounds
+    assert table.cost(bs, db.OFF) == pytest.approx(verify[(4, 1)] + 1e-4)
+    assert table.cost(bs, 4) == pytest.approx(verify[(4, 4)] + tree_rest)

@@ -11,11 +11,12 @@ DDTREE and, with --speculative-ddtree-debug-metrics, the debug metrics.
   python3 tests/gpu/ddtree_e2e.py --out OUT [--pin 0.5.16] [--backends triton,flashinfer] [--budgets 1,15,63,255]
 
 A budget may also be `auto` (--speculative-ddtree-budget auto, the controller's widths) or
-`autocycle` (auto with SGLANG_DDTREE_AUTO_CYCLE=1: the width changes every round); both must
-match the plain target like a fixed budget (also in the mixed greedy + sampled batches, which
-they serve), and /get_server_info must show the controller with at least two widths run
-(autocycle: every width) and its start-up cost table (with CUDA graphs: measured by graph
-replays, every seeded verify time positive; eager: skipped).
+`autocycle` (auto with SGLANG_DDTREE_AUTO_CYCLE=1 and SGLANG_DDTREE_AUTO_OFF=1: the width
+changes every round, and every few rounds is an `off` round, verify width 1 without the draft
+forward); both must match the plain target like a fixed budget (also in the mixed greedy +
+sampled batches, which they serve), and /get_server_info must show the controller with at
+least two widths run (autocycle: every width and off) and its start-up cost table (with CUDA
+graphs: measured by graph replays, every seeded verify time positive; eager: skipped).
 
 Every server also serves (compared with the plain target's outputs): 40 concurrent requests
 of random prompt and output lengths, and requests with a stop token (ends inside a round).
@@ -148,6 +149,7 @@ def build_matrix(
                     env["SGLANG_DDTREE_SYNC_DEBUG"] = "1"
                 if auto == "autocycle":
                     env["SGLANG_DDTREE_AUTO_CYCLE"] = "1"
+                    env["SGLANG_DDTREE_AUTO_OFF"] = "1"  # off rounds in the cycle
                 if g == "eager":
                     extra += " --disable-cuda-graph"
                 if extras and g == "cg":
@@ -517,16 +519,19 @@ def startup_table_ok(snap: dict, graphs: bool) -> bool:
 
 def auto_check(cfg: Config, port: int) -> dict:
     """Budget auto after the greedy, concurrent and stop requests: /get_server_info's
-    internal_states carry the controller's snapshot; at least two widths ran (autocycle: all);
-    the start-up cost table is there (graphs: measured and positive; eager: skipped)."""
+    internal_states carry the controller's snapshot; at least two widths ran (autocycle: all,
+    and off rounds); the start-up cost table is there (graphs: measured and positive; eager:
+    skipped)."""
     states = get(port, "/get_server_info").get("internal_states") or [{}]
     snap = states[0].get("ddtree_budget_auto") or {}
     chosen = {w: n for w, n in (snap.get("chosen") or {}).items() if n}
     widths = snap.get("widths") or []
-    need = len(widths) if cfg.auto == "autocycle" else 2
+    cycle = cfg.auto == "autocycle"
+    need = len(snap.get("options") or widths) if cycle else 2
     startup_ok = startup_table_ok(snap, "--disable-cuda-graph" not in cfg.extra)
     return {
         "widths": widths,
+        "off": snap.get("off"),
         "mode": snap.get("mode"),
         "chosen": snap.get("chosen"),
         "observed_rounds": snap.get("observed_rounds"),
@@ -536,7 +541,8 @@ def auto_check(cfg: Config, port: int) -> dict:
         "cost_table": snap.get("cost_table"),
         "expected_committed": snap.get("expected_committed"),
         "ok": bool(snap)
-        and snap.get("mode") == ("cycle" if cfg.auto == "autocycle" else "controller")
+        and snap.get("mode") == ("cycle" if cycle else "controller")
+        and (not cycle or (snap.get("off") is True and "off" in chosen))
         and len(chosen) >= max(need, 1)
         and (snap.get("observed_rounds") or 0) > 0
         and startup_ok,

@@ -502,3 +502,238 @@ def test_the_worker_builds_its_widths_then_the_startup_table(parse):
     assert sorted(worker._verify_states) == args.speculative_ddtree_auto_widths
     startup = worker.get_ddtree_server_info()["ddtree_budget_auto"]["startup"]
     assert startup == {"status": "skipped", "reason": "CUDA graphs are off (eager verify)"}
+
+
+
+
+# ------------------------------------------------------------------------------------------
+# `off` rounds (SGLANG_DDTREE_AUTO_OFF=1) through the worker's own round
+
+
+def test_off_mode_switch_and_the_root_only_tree(monkeypatch, parse):
+    """SGLANG_DDTREE_AUTO_OFF=1 offers `off` (width 1): the feed's verify widths and cycle start
+    with it. An off round's tree (ddtree_auto_v2.root_tree) is the root alone, equal to
+    truncate_tree(tree, 1) of the real proposer's tree with that root."""
+    from sglang.srt.speculative.ddtree_auto_v2 import (
+        OFF_ENV,
+        auto_rounds,
+        off_mode,
+        root_tree,
+    )
+
+    monkeypatch.setenv(OFF_ENV, "maybe")
+    with pytest.raises(ValueError, match=OFF_ENV):
+        off_mode()
+    monkeypatch.setenv(OFF_ENV, "1")
+    args = parse("--speculative-ddtree-budget auto --cuda-graph-max-bs 16")
+    rounds = auto_rounds(args, "cpu")
+    assert rounds.off and rounds.verify_widths == [db.OFF_WIDTH, *args.speculative_ddtree_auto_widths]
+    assert rounds.widths == args.speculative_ddtree_auto_widths  # the proposer prices trees only
+    # width 1 gets its verify state like any width (stand-in runner, as in the test above: its
+    # backends need a GPU), built under the width override, which is restored after
+    from sglang.srt.speculative.ddtree_auto_v2 import build_verify_states
+
+    class Runner(SimpleNamespace):
+        def _get_attention_backend(self, init_new_workspace=False):
+            return ("backend", int(self.server_args.speculative_num_draft_tokens))
+
+    widest = args.speculative_num_draft_tokens
+    runner = Runner(server_args=args, attn_backend=("backend", widest), decode_cuda_graph_runner=None, device="cpu")
+    states = build_verify_states(runner, rounds.verify_widths, capture=False, log=False)
+    assert states[db.OFF_WIDTH].attn_backend == ("backend", 1) and states[db.OFF_WIDTH].graph_runner is None
+    assert sorted(states) == rounds.verify_widths and args.speculative_num_draft_tokens == widest
+    monkeypatch.setenv(OFF_ENV, "0")
+    assert not auto_rounds(args, "cpu").off
+
+    widths, block, vocab, k = [2, 4, 8], 5, 12, 4
+    prop = _proposer(widths, block, vocab, k)
+    hs = torch.randn(3 * block, vocab, generator=torch.Generator().manual_seed(3))
+    tokens, *rest = prop.compute(hs)[:5]
+    bonus = torch.tensor([5, 0, 11])
+    tokens[:, 0] = bonus
+    want = db.truncate_tree(tokens, *rest, 1)
+    got = root_tree(bonus)
+    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(got, want))
+
+
+class _WorkerRound:
+    """A real DDTreeWorkerV2 (its class, its round: DDTreeWorkerV2._forward_decode ->
+    _forward_tree_round, the real DFlashWorkerV2._run_draft_block (eager block preparation) and
+    _commit_verified, the real AutoRounds, ddtree_auto_v2.verify_width, the KV move on a real
+    MHATokenToKVPool) with test doubles only where a model forward runs (a GPU, or model weights,
+    would be needed):
+
+    * the draft model runner's forward: the drafter's block hidden states = the target's logits
+      along its greedy chain from the block's root, plus noise (lm_head = identity);
+    * the target verify (`_target_verify`): bigram logits of each verify token, its KV written at
+      the verify slots as ``1000 * token + position``, its hidden state ``[token, position]``
+      (a causal target's hidden state depends on the token and what precedes its position only);
+    * the draft KV write of the committed tokens (`_append_target_hidden_to_draft_kv_by_loc`,
+      the draft model's KV projection): records the hidden state and position per draft slot.
+    """
+
+    def __init__(self, rounds, widths, block, vocab, k, bs, table, seed):
+        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+        from sglang.srt.speculative.ddtree_auto_v2 import VerifyWidthState
+        from sglang.srt.speculative.ddtree_worker_v2 import DDTreeWorkerV2
+        from sglang.srt.speculative.draft_worker_common import (
+            make_draft_block_spec_info,
+        )
+
+        self.table, self.block, self.vocab, self.bs = table, block, vocab, bs
+        self.g = torch.Generator().manual_seed(seed)
+        self.row = 160
+        # request b's position i lives in slot 1 + b + bs * i (interleaved requests)
+        req_to_token = (1 + torch.arange(bs).view(bs, 1) + bs * torch.arange(self.row).view(1, -1)).to(torch.int32)
+        self.pool = MHATokenToKVPool(bs * self.row + 1, 1, torch.float32, 1, 2, 2, "cpu", False,
+                                     enable_kv_cache_copy=True)
+        widest = max(rounds.verify_widths)
+        runner = SimpleNamespace(
+            req_to_token_pool=SimpleNamespace(req_to_token=req_to_token), token_to_kv_pool=self.pool,
+            attn_backend=("backend", widest), decode_cuda_graph_runner=None, device="cpu",
+            model=SimpleNamespace(get_input_embeddings=lambda: torch.nn.Embedding(vocab + 1, 4),
+                                  lm_head=SimpleNamespace(weight=torch.eye(vocab))),
+        )
+        w = object.__new__(DDTreeWorkerV2)
+        w.__dict__.update(
+            _target_worker=SimpleNamespace(model_runner=runner), model_runner=runner, device="cpu",
+            block_size=block, num_verify_tokens=widest, budget=widest - 1, max_depth=block - 1, topk=k,
+            verify_topk=2, _phase_timer=None, _sync_debug=False, _auto=rounds, debug_metrics=None,
+            ps=SimpleNamespace(tp_rank=0), _proposer=_proposer(widths, block, vocab, k), _draft_sampler=None,
+            _verify_states={x: VerifyWidthState(x, ("backend", x), None) for x in rounds.verify_widths},
+            _mask_buf=None, _retrieve_index=None, _kv_rows=None, _need_mamba_verify_commit=False,
+            use_compact_draft_cache=False, _use_triton_prepare_block=True, _mask_token_id=vocab,
+            _block_pos_offsets=torch.arange(block), _draft_block_ids_buf=None,
+            _draft_block_spec_info=make_draft_block_spec_info(draft_token_num=block, device="cpu"),
+            draft_model_runner=SimpleNamespace(forward=self._draft_forward),
+            _target_verify=self._target_verify,
+            _append_target_hidden_to_draft_kv_by_loc=self._draft_kv_write,
+        )
+        self.worker, self.runner = w, runner
+        self.draft_forwards, self.verify_widths, self.draft_kv = 0, [], {}
+
+    def _draft_forward(self, forward_batch):
+        self.draft_forwards += 1
+        bs, block = self.bs, self.block
+        tok = forward_batch.input_ids.view(bs, block)[:, 0].clone()
+        hs = torch.zeros(bs, block, self.vocab)
+        for d in range(1, block):
+            hs[:, d] = self.table[tok] + torch.randn(bs, self.vocab, generator=self.g) * 2.5
+            tok = self.table[tok].argmax(-1)
+        out = SimpleNamespace(hidden_states=hs.view(bs * block, self.vocab))
+        return SimpleNamespace(logits_output=out, can_run_graph=False)
+
+    def _target_verify(self, batch, verify_input, host_seq_lens, host_seq_lens_sum, sampling_info):
+        n = int(verify_input.draft_token_num)
+        # the round's width state is the runner's inside the verify (ddtree_auto_v2.verify_width)
+        assert self.runner.attn_backend == ("backend", n)
+        self.verify_widths.append(n)
+        assert verify_input.custom_mask is not None and verify_input.draft_token.numel() == self.bs * n
+        toks, pos = verify_input.draft_token.to(torch.int64), verify_input.positions.to(torch.int64)
+        kv = (1000 * toks + pos).float()
+        for buf in self.pool.k_buffer + self.pool.v_buffer:
+            buf[batch.out_cache_loc] = kv.view(-1, 1, 1).expand(-1, *buf.shape[1:])
+        out = SimpleNamespace(next_token_logits=self.table[toks].clone(),
+                              hidden_states=torch.stack([toks, pos], 1).float())
+        return SimpleNamespace(logits_output=out, can_run_cuda_graph=False)
+
+    def _draft_kv_write(self, *, target_hidden, cache_loc, positions, cache_loc_2d, commit_lens):
+        bs = cache_loc_2d.shape[0]
+        hidden, pos = target_hidden.view(bs, self.block, -1), positions.view(bs, self.block)
+        for b in range(bs):
+            for j in range(int(commit_lens[b])):
+                self.draft_kv[int(cache_loc_2d[b, j])] = (hidden[b, j].tolist(), int(pos[b, j]))
+
+    def run(self, n_rounds, prompt_len):
+        from sglang.srt.speculative.draft_worker_common import make_draft_input_v2
+
+        bs, table = self.bs, self.table
+        seqs = [torch.randint(0, self.vocab, (prompt_len,), generator=self.g).tolist() for _ in range(bs)]
+        root = torch.tensor([int(table[s[-1]].argmax()) for s in seqs])  # the prefill's token
+        for b in range(bs):
+            seqs[b].append(int(root[b]))
+        seq_lens = torch.full((bs,), prompt_len, dtype=torch.int64)
+        batch = SimpleNamespace(seq_lens=seq_lens, seq_lens_cpu=seq_lens.clone(), seq_lens_sum=int(seq_lens.sum()),
+                                req_pool_indices=torch.arange(bs), sampling_info=None, out_cache_loc=None)
+        draft_input = make_draft_input_v2(bonus_tokens=root, new_seq_lens=seq_lens)
+        ran, waiting = [], None
+        for _ in range(n_rounds):
+            n_before = len(self.verify_widths)
+            result = self.worker._forward_decode(batch, draft_input, None)
+            ran.append(self.verify_widths[n_before])
+            if waiting is not None:  # overlap: the previous round's results reach the host now
+                for b, toks in enumerate(_resolve(self.worker, *waiting)):
+                    seqs[b] += toks
+            waiting = (result.next_token_ids.view(bs, self.block), result.accept_lens, self.block, bs)
+            draft_input = result.next_draft_input
+            batch.seq_lens = result.new_seq_lens.to(torch.int64)
+            batch.seq_lens_cpu = batch.seq_lens.clone()
+            batch.seq_lens_sum = int(batch.seq_lens.sum())
+        for b, toks in enumerate(_resolve(self.worker, *waiting)):
+            seqs[b] += toks
+        return seqs, ran, batch.seq_lens
+
+    def slot(self, b, i):
+        return int(self.runner.req_to_token_pool.req_to_token[b, i])
+
+
+@pytest.mark.parametrize("mode", ["cycle", "controller"])
+def test_worker_rounds_with_off_give_the_targets_greedy_tokens_and_keep_the_draft_context(mode, monkeypatch):
+    """The worker's own round with `off` offered, 6 requests: in cycle mode every 4th round is
+    off; with the controller, a cost model (seconds per round, fed as each round's marks) in
+    which an off round is cheap enough that the controller picks it between its warm-up and
+    exploration rounds. Off rounds run no draft forward and verify width 1 (only the root). The
+    committed tokens (through the scheduler's _resolve_spec_v2_tokens) are the target's greedy
+    continuation; every committed position's target KV holds its token's KV and its draft KV
+    slot holds the target hidden state of its token at its position, as after a run of tree
+    rounds only (compared, slot for slot)."""
+    # Tensor.record_stream (the round's first step, for the overlap scheduler's streams) is a
+    # CUDA stream op; the CPU has one stream, so it is a no-op here.
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
+    widths, block, vocab, k, bs = [2, 4, 8], 5, 12, 4, 6
+    table = torch.randn(vocab, vocab, generator=torch.Generator().manual_seed(11)) * 3
+    prompt = 3
+    results = {}
+    for off in (True, False):
+        rounds = db.AutoRounds(widths, max(widths) - 1, [1, 2, 4, 8], off=off, cycle=(mode == "cycle"),
+                               explore_every=5)
+        if mode == "controller":
+            # synthetic timing: round seconds = host marks the worker cannot give on the CPU
+            # (no CUDA events); an off round 1 ms, a tree round 10 ms + 1 ms per verify row
+            record = rounds.record
+
+            def timed(width, expected, start=None, end=None, bs=None, _record=record):
+                secs = 1e-3 if width == db.OFF_WIDTH else 1e-2 + 1e-3 * width
+                return _record(width, expected, 0.0, secs, bs=bs)
+
+            rounds.record = timed
+        wr = _WorkerRound(rounds, widths, block, vocab, k, bs, table, seed=5)
+        seqs, ran, final = wr.run(24, prompt)
+        for s in seqs:  # the target's greedy tokens
+            want = s[:prompt]
+            while len(want) < len(s):
+                want.append(int(table[want[-1]].argmax()))
+            assert s == want
+        n_off = ran.count(db.OFF_WIDTH)
+        assert wr.draft_forwards == len(ran) - n_off  # off rounds run no draft forward
+        assert rounds.observed == 24 and rounds.dropped == 0
+        if off:
+            assert n_off > 0 and set(ran) - {db.OFF_WIDTH}  # off and tree rounds both ran
+            assert rounds.snapshot()["chosen"]["off"] == n_off
+            if mode == "cycle":
+                assert ran == [rounds.verify_widths[i % 4] for i in range(24)]
+        else:
+            assert n_off == 0
+        for b in range(bs):  # committed positions: target KV and draft context
+            for i in range(prompt, int(final[b])):
+                slot = wr.slot(b, i)
+                assert float(wr.pool.k_buffer[0][slot, 0, 0]) == 1000 * seqs[b][i] + i
+                assert wr.draft_kv[slot] == ([float(seqs[b][i]), float(i)], i)
+        results[off] = (seqs, final, {s: v for s, v in wr.draft_kv.items()})
+    (s_off, f_off, kv_off), (s_tree, f_tree, kv_tree) = results[True], results[False]
+    for b in range(bs):  # the same draft context as the tree-only run, where both committed
+        common = min(int(f_off[b]), int(f_tree[b]))
+        assert s_off[b][:common] == s_tree[b][:common]
+        for i in range(prompt, common):
+            slot = _WorkerRound.slot(SimpleNamespace(runner=wr.runner), b, i)
+            assert kv_off[slot] == kv_tree[slot]

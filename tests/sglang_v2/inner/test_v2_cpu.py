@@ -615,14 +615,16 @@ def test_tree_attention_equals_sglangs_extend_kernel(dtype):
     torch.testing.assert_close(got.float(), ext.float(), atol=tol, rtol=tol)
 
 
-def test_target_predict_samples_each_request_with_its_own_parameters():
+@pytest.mark.parametrize("n", [5, 1])
+def test_target_predict_samples_each_request_with_its_own_parameters(n):
     """DDTreeWorkerV2._target_predict, the per-node target tokens of the tree walk: a greedy
     request gets every node's argmax; a sampled request a token inside its own filter. The
-    per-request parameters are expanded request-major (row b * N + i = node i of request b)."""
+    per-request parameters are expanded request-major (row b * N + i = node i of request b).
+    N = 1 is budget auto's `off` round: the root's token is the target's own sample."""
     from sglang.srt.speculative.ddtree_worker_v2 import DDTreeWorkerV2
 
     torch.manual_seed(0)
-    n, bs, vocab = 5, 3, 50
+    bs, vocab = 3, 50
     logits = torch.randn(bs * n, vocab, generator=torch.Generator().manual_seed(1)) * 3
     worker = SimpleNamespace(num_verify_tokens=n)
     info = SimpleNamespace(
