@@ -27,7 +27,10 @@ SCRIPT = textwrap.dedent("""
     import json, os, sys, time
     out = sys.argv[1]
     info = {"argv": sys.argv, "cwd": os.getcwd(), "env": os.environ.get("FS_TEST"), "path0": sys.path[:2],
-            "pid": os.getpid(), "netns": os.stat("/proc/self/ns/net").st_ino, "main": __name__}
+            "pid": os.getpid(), "netns": os.stat("/proc/self/ns/net").st_ino, "main": __name__,
+            "other_threads_blocked": [
+                int(next(l for l in open(f"/proc/self/task/{t}/status") if l.startswith("SigBlk:")).split()[1], 16)
+                for t in os.listdir("/proc/self/task") if int(t) != os.getpid()]}
     with open(out + ".tmp", "w") as f:
         json.dump(info, f)
     os.replace(out + ".tmp", out)
@@ -96,6 +99,12 @@ def test_the_service_sees_a_fresh_interpreters_view_and_its_exit_code_comes_back
     assert info["cwd"] == str(tmp_path) and info["env"] == "from the unit" and info["main"] == "__main__"
     assert info["path0"] == [str(root), "/nonexistent/site"]  # script dir, then PYTHONPATH: as `python script`
     assert info["pid"] != p.pid  # a forked child, not the started process
+    # the server's helper thread in the child blocks every signal, so a signal sent to the service
+    # always reaches its main thread (a fresh interpreter has no other thread to take it)
+    assert info["other_threads_blocked"], "the child has its watch thread"
+    for mask in info["other_threads_blocked"]:
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1):
+            assert mask >> (sig - 1) & 1, (hex(mask), sig)
 
 
 def test_an_uncaught_error_exits_1_with_its_traceback(server, tmp_path):

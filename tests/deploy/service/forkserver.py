@@ -200,7 +200,15 @@ def _run_child(req: dict, fds: list[int]) -> None:
                     time.sleep(0.1)
             os.kill(os.getpid(), signal.SIGKILL)
 
-        threading.Thread(target=watch, daemon=True, name="forkserver-watch").start()
+        # the watch thread is created with every signal blocked, so a signal sent to the service
+        # is delivered to its main thread (as in a fresh interpreter, which has no other thread):
+        # one taken by a thread blocked in select would not interrupt the main thread's wait
+        every = signal.valid_signals()
+        before = signal.pthread_sigmask(signal.SIG_BLOCK, every)
+        try:
+            threading.Thread(target=watch, daemon=True, name="forkserver-watch").start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, before)
         try:
             runpy.run_path(script, run_name="__main__")
             code = 0
