@@ -208,12 +208,8 @@ def _interp(x: float, xs: Sequence[float], ys: Sequence[float]) -> float:
     proportional to ``x`` above it."""
     if len(xs) == 1:
         return ys[0] * max(1.0, x / xs[0]) if x > xs[0] else ys[0]
-    if x <= xs[0]:
-        return ys[0]
-    for i in range(1, len(xs)):
-        if x <= xs[i]:
-            t = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
-            return ys[i - 1] + t * (ys[i] - ys[i - 1])
+    if x <= xs[-1]:
+        return _interp_flat(x, xs, ys)
     slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
     return max(ys[-1] + slope * (x - xs[-1]), ys[-1])
 
