@@ -272,17 +272,24 @@ def start_forkserver(root: Path, site_cache: Path) -> subprocess.Popen:
 
         sock = Path(tempfile.mkdtemp(prefix="ddt-fs")) / "fs.sock"
     env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR")}
-    log = open(root / "forkserver.log", "w")
-    p = subprocess.Popen([sys.executable, str(FORKSERVER), "serve", str(sock), str(preload)], stdout=log,
-                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
-    log.close()
-    deadline = time.monotonic() + 300
+    p = serve_forkserver(sock, preload, root / "forkserver.log", env=env)
+    FORKSERVER_SOCK = sock
+    return p
+
+
+def serve_forkserver(sock: Path, preload: Path, log: Path, env: dict | None = None,
+                     timeout: float = 300) -> subprocess.Popen:
+    """A fork server on `sock` with the modules of `preload` (a JSON list), logging to `log`;
+    returns once it listens (the socket appears when it is ready)."""
+    with open(log, "w") as out:
+        p = subprocess.Popen([sys.executable, str(FORKSERVER), "serve", str(sock), str(preload)], stdout=out,
+                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+    deadline = time.monotonic() + timeout
     while not sock.exists():
         if p.poll() is not None or time.monotonic() > deadline:
             p.kill()
-            raise RuntimeError(f"fork server did not start: {(root / 'forkserver.log').read_text()[-2000:]}")
-        time.sleep(0.1)
-    FORKSERVER_SOCK = sock
+            raise RuntimeError(f"fork server did not start: {log.read_text()[-2000:]}")
+        time.sleep(0.05)
     return p
 
 

@@ -17,9 +17,8 @@ import textwrap
 import time
 from pathlib import Path
 
-import pytest
-
 import deploy_testbed as tb
+import pytest
 
 pytestmark = [pytest.mark.timeout(120)]
 
@@ -50,12 +49,7 @@ def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("fs")
     (root / "pre.json").write_text("[]")
     sock = root / "fs.sock"
-    p = subprocess.Popen([sys.executable, str(tb.FORKSERVER), "serve", str(sock), str(root / "pre.json")],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.monotonic() + 60
-    while not sock.exists():
-        assert p.poll() is None and time.monotonic() < deadline, "fork server did not start"
-        time.sleep(0.05)
+    p = tb.serve_forkserver(sock, root / "pre.json", root / "fs.log", timeout=60)
     (root / "svc.py").write_text(SCRIPT)
     yield root, sock
     p.terminate()
