@@ -122,6 +122,44 @@ def test_greedy_rows_of_a_mixed_batch_are_one_hot_first_argmax(du, kernels, monk
         assert (probs[r] > 0).sum(-1).min() >= 2  # both tied maxima kept
 
 
+def test_greedy_rows_left_in_a_sampled_batch_are_verified_greedily(du, kernels):
+    """A mixed batch whose sampled requests finished keeps need_top_p_sampling and
+    is_all_greedy = False (filter_batch does not recompute them), so its greedy rows alone
+    reach the sampling verify. They get the greedy verify's accept lengths and bonus
+    tokens, and no renorm kernel is called (the sparse path's one-column top-p renorm is
+    the case that did not return on the device)."""
+    vocab, draft, bs = 32, 5, 3
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(bs * draft, vocab, generator=g)
+    target = logits.argmax(-1).view(bs, draft)
+    candidates = torch.randint(0, vocab, (bs, draft), generator=g)
+    candidates[0, 1:] = target[0, :-1]  # row 0: every draft right
+    candidates[1, 1:3] = target[1, :2]  # row 1: two right, then (likely) wrong
+    candidates[1, 3] = (target[1, 2] + 1) % vocab
+    info = SimpleNamespace(
+        temperatures=torch.ones(bs, 1),
+        top_ks=torch.ones(bs, dtype=torch.int32),
+        top_ps=torch.ones(bs),
+        is_all_greedy=False,
+        need_top_k_sampling=True,
+        need_top_p_sampling=True,
+    )
+    got = du.compute_dflash_sampling_correct_drafts_and_bonus(
+        candidates=candidates,
+        next_token_logits=logits,
+        sampling_info=info,
+        threshold_single=1.0,
+        threshold_acc=1.0,
+    )
+    want = du.compute_dflash_correct_drafts_and_bonus(
+        candidates=candidates, target_predict=target
+    )
+    assert kernels.calls == []
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert got[0].tolist()[:2] == [draft - 1, 2]
+    assert got[1][0] == target[0, -1] and got[1][1] == target[1, 2]
+
+
 def test_warm_up_runs_both_renorm_kernels_once(du, kernels):
     seconds = du.warm_up_dflash_sampling_kernels(torch.device("cpu"))
     assert seconds is not None and seconds >= 0
