@@ -70,10 +70,28 @@ def log(msg: str) -> None:
     print(f"[acceptance_run {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def configs(budgets: list[int]) -> list[tuple[str, str]]:
+def ddtree_label(budget: int | str) -> str:
+    """"DDTREE b15" for a fixed budget, "DDTREE auto" for the per-round controller."""
+    return f"DDTREE b{budget}" if isinstance(budget, int) else f"DDTREE {budget}"
+
+
+def parse_budgets(text: str) -> list[int | str]:
+    """--budgets: fixed budgets (integers) and "auto"."""
+    out: list[int | str] = []
+    for x in filter(None, text.split(",")):
+        if x.isdigit():
+            out.append(int(x))
+        elif x == "auto":
+            out.append(x)
+        else:
+            raise SystemExit(f"--budgets: {x!r} is neither an integer nor 'auto'")
+    return out
+
+
+def configs(budgets: list[int | str]) -> list[tuple[str, str]]:
     out = [("plain", ""), ("DFLASH", "--speculative-algorithm DFLASH --speculative-draft-model-path {draft}")]
     for b in budgets:
-        out.append((f"DDTREE b{b}", "--speculative-algorithm DDTREE --speculative-draft-model-path {draft} "
+        out.append((ddtree_label(b), "--speculative-algorithm DDTREE --speculative-draft-model-path {draft} "
                     f"--speculative-ddtree-budget {b}"))
     return out
 
@@ -138,8 +156,11 @@ def attached_mismatch(s: "Server") -> str | None:
     info = B.server_info(s.url)
     algo, budget = info.get("speculative_algorithm"), info.get("speculative_ddtree_budget")
     want_algo = None if s.name == "plain" else s.name.split()[0]
-    want_budget = int(s.name.split()[1][1:]) if s.name.startswith("DDTREE ") else None
-    if algo != want_algo or (want_budget is not None and budget != want_budget):
+    want_budget: int | str | None = None
+    if s.name.startswith("DDTREE "):
+        word = s.name.split()[1]
+        want_budget = int(word[1:]) if word[1:].isdigit() else word
+    if algo != want_algo or (want_budget is not None and str(budget) != str(want_budget)):
         return f"port {s.port} serves algorithm {algo} budget {budget}, not {s.name}"
     return None
 
@@ -159,7 +180,7 @@ def wait_ready(servers: list[Server], deadline: float) -> None:
         s.error = "not ready before the deadline"
 
 
-def table_md(doc: dict, offline: dict | None, temps: list[float], budgets: list[int]) -> str:
+def table_md(doc: dict, offline: dict | None, temps: list[float], budgets: list[int | str]) -> str:
     lines = []
     by = {(s["label"], s["group"]): s for s in doc["servers"]}
     for t in temps:
@@ -191,7 +212,7 @@ def table_md(doc: dict, offline: dict | None, temps: list[float], budgets: list[
         lines.append("| config | offline greedy (walk of the target's greedy text) | predicted by the drafter "
                      "(1 + sum of node probabilities) | server T=0 | server T=1 |")
         lines.append("|---|---|---|---|---|")
-        for key, label in [("dflash", "DFLASH")] + [(f"ddtree_b{b}", f"DDTREE b{b}") for b in budgets]:
+        for key, label in [("dflash", "DFLASH")] + [(f"ddtree_b{b}", ddtree_label(b)) for b in budgets]:
             o = offline.get(key) or {}
             cells = []
             for t in temps:
@@ -247,7 +268,7 @@ def main() -> int:
         old.unlink()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    budgets = [int(x) for x in a.budgets.split(",") if x]
+    budgets = parse_budgets(a.budgets)
     temps = [float(x) for x in a.temperatures.split(",") if x]
     levels = B.parse_concurrency(a.concurrency)
     cfgs = configs(budgets)

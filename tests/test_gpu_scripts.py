@@ -5,6 +5,9 @@ from __future__ import annotations
 import shutil
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
 
 SCRIPT = Path(__file__).parent / "gpu" / "run_on_device.sh"
 
@@ -150,3 +153,42 @@ def test_e2e_startup_table_check_reads_the_snapshot_auto_rounds_writes():
     r2 = db.AutoRounds([8, 16], 15, [1, 4], graph_sizes=[1, 4])
     r2.startup = {"status": "measured", "cells": 1, "seeded": r2.seed_verify({(1, 8): 1e-3})}
     assert not e2e.startup_table_ok(json.loads(json.dumps(r2.snapshot())), graphs=True)  # 16 unseeded
+
+
+def test_acceptance_run_takes_auto_beside_fixed_budgets_and_checks_it_on_attach():
+    """--budgets 15,auto gives a "DDTREE b15" and a "DDTREE auto" server; --attach accepts a port
+    whose /get_server_info says budget "auto" for the latter and refuses it for b15. The server
+    is a TEST DOUBLE (tests/bench_fake_sglang.py): SGLang needs a GPU."""
+    import importlib.util
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from bench_fake_sglang import FakeSGLang
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "acceptance_run.py"
+    spec = importlib.util.spec_from_file_location("acceptance_run_t", path)
+    ar = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ar)
+
+    assert ar.parse_budgets("15,auto") == [15, "auto"]
+    names = [n for n, _ in ar.configs(ar.parse_budgets("15,auto"))]
+    assert names == ["plain", "DFLASH", "DDTREE b15", "DDTREE auto"]
+    assert "--speculative-ddtree-budget auto" in ar.configs(["auto"])[-1][1]
+    with pytest.raises(SystemExit, match="neither an integer nor 'auto'"):
+        ar.parse_budgets("15,big")
+
+    fake = FakeSGLang("DDTREE", accept=4, budget="auto")
+    for port in range(35100, 60000, 11):
+        try:
+            fake.serve(port)
+            break
+        except OSError:
+            continue
+    try:
+        def server(name):
+            return SimpleNamespace(name=name, port=port, url=f"http://127.0.0.1:{port}")
+
+        assert ar.attached_mismatch(server("DDTREE auto")) is None
+        assert "budget auto, not DDTREE b15" in ar.attached_mismatch(server("DDTREE b15"))
+    finally:
+        fake.stop()
