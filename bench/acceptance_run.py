@@ -253,6 +253,9 @@ def main() -> int:
                          "verify forward from the memory free at its start, which servers sharing the GPU would take")
     ap.add_argument("--keep-servers", action="store_true",
                     help="leave the servers running at the end (their own sessions), for a next call with --attach")
+    ap.add_argument("--no-warm-levels", action="store_true",
+                    help="skip the untimed pass of every concurrency level before timing (the first use of a "
+                         "batch size is slower: 2026-12-06 run, c = 4)")
     ap.add_argument("--attach", action="store_true",
                     help="measure servers already running at the ports (an earlier --keep-servers run); starts only "
                          "those not answering")
@@ -355,6 +358,11 @@ def main() -> int:
                 if s.startup_s is None:
                     continue
                 r = B.ServerResult(target=s.url, label=s.name, url=s.url, group=f"T={t:g}")
+                if not a.no_warm_levels:  # untimed: each batch size's first use pays one-time costs
+                    warm = B.Sampling(max_new_tokens=16, temperature=t)
+                    for c in levels:
+                        if time.time() < deadline:
+                            B.run_level(s.url, prompts, c, c, warm)
                 for c in levels:
                     if time.time() > deadline:
                         skipped.append(f"{s.name} T={t:g} c={c}")
