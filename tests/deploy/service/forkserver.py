@@ -18,7 +18,10 @@ start-stop-daemon) is the client, which lives exactly as long as the service chi
 - the child joins the client's network namespace (supervisord runs in the bed's netns), takes its
   stdin/stdout/stderr (passed over the socket), working directory, environment and argv;
 - SIGTERM/SIGINT/SIGHUP/SIGQUIT/SIGUSR1/SIGUSR2 sent to the client are forwarded to the child;
-- a client that dies (SIGKILL included) takes the child with it (the child watches the client's pidfd);
+- a client that dies (SIGKILL included) takes the child with it (the server sees the client's connection
+  close and kills the child; the child has one thread, as a fresh interpreter);
+- a signal that comes before the child exists is kept and forwarded once it does, and a signal the
+  client's starter ignored is ignored by the child too;
 - the client ends as the child ended: the same exit code, or killed by the same signal.
 Where the server is not running, or the request's PYTHONPATH or script folder holds a module the
 server has already imported (a fresh interpreter would load that copy instead), the client execs the
@@ -49,7 +52,26 @@ def client(sock_path: str, argv: list[str]) -> None:
     except OSError:  # no server: the plain interpreter, as if this wrapper were not there
         s.close()
         os.execv(sys.executable, [sys.executable, *argv])
-    req = {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "pid": os.getpid()}
+    # Signals are caught from here on: one that comes before the child exists (a supervisor's TERM
+    # right after the start) is kept and forwarded once the child's pid is known, not lost.
+    child = 0
+    pending: list[int] = []
+    original = {sig: signal.getsignal(sig) for sig in FORWARDED}
+
+    def forward(n: int, _frame) -> None:
+        if not child:
+            pending.append(n)
+            return
+        try:
+            os.kill(child, n)
+        except ProcessLookupError:  # ended already: its status is on the way
+            pass
+
+    ignored = [int(sig) for sig, h in original.items() if h == signal.SIG_IGN]
+    for sig in FORWARDED:
+        if sig not in ignored:
+            signal.signal(sig, forward)
+    req = {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "pid": os.getpid(), "ignored": ignored}
     socket.send_fds(s, [json.dumps(req).encode()], [0, 1, 2])
     first = s.recv(MAX_MSG)
     if not first:
@@ -57,18 +79,16 @@ def client(sock_path: str, argv: list[str]) -> None:
     answer = json.loads(first)
     if "exec" in answer:  # the server cannot start this one as a fresh interpreter would: be one
         s.close()
+        for sig, h in original.items():
+            signal.signal(sig, h)
+        for n in pending:  # what came meanwhile, to this process as it now is
+            os.kill(os.getpid(), n)
         os.execv(sys.executable, [sys.executable, *argv])
     child = answer["pid"]
-    def forward(n: int, _frame) -> None:
-        try:
-            os.kill(child, n)
-        except ProcessLookupError:  # ended already: its status is on the way
-            pass
-
-    for sig in FORWARDED:
-        signal.signal(sig, forward)
+    for n in pending:
+        forward(n, None)
     last = s.recv(MAX_MSG)
-    if not last:  # the server died: the child watches us, so end here and take it along
+    if not last:  # the server died (nothing watches us for the child any more): end here, take it along
         os.kill(child, signal.SIGKILL)
         sys.exit("forkserver: the server went away")
     status = json.loads(last)["status"]
@@ -157,15 +177,15 @@ def _run_child(req: dict, fds: list[int]) -> None:
         os.setsid()
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the server's own handlers: a fresh interpreter's
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        client_pid = req["pid"]
-        try:
-            pidfd = os.pidfd_open(client_pid)
-        except ProcessLookupError:
-            os._exit(1)
-        except (AttributeError, OSError):  # no pidfd (kernel < 5.3): poll the client instead
-            pidfd = None
-        _join_netns(client_pid)
+        ignored = set(req.get("ignored", ()))  # what the client's starter ignored, as a fresh python would
+        for sig in FORWARDED:
+            if sig in ignored:
+                signal.signal(sig, signal.SIG_IGN)
+            elif sig == signal.SIGINT:
+                signal.signal(sig, signal.default_int_handler)
+            else:
+                signal.signal(sig, signal.SIG_DFL)
+        _join_netns(req["pid"])
         for i, fd in enumerate(fds):
             os.dup2(fd, i)
             if fd > 2:
@@ -180,35 +200,11 @@ def _run_child(req: dict, fds: list[int]) -> None:
         sys.argv = list(argv)
         import importlib
         import runpy
-        import threading
         import traceback
 
         importlib.invalidate_caches()
-
-        def watch() -> None:  # the client died (its supervisor killed it): so does the service
-            import select
-            import time
-
-            if pidfd is not None:
-                select.select([pidfd], [], [])
-            else:
-                while True:
-                    try:
-                        os.kill(client_pid, 0)
-                    except ProcessLookupError:
-                        break
-                    time.sleep(0.1)
-            os.kill(os.getpid(), signal.SIGKILL)
-
-        # the watch thread is created with every signal blocked, so a signal sent to the service
-        # is delivered to its main thread (as in a fresh interpreter, which has no other thread):
-        # one taken by a thread blocked in select would not interrupt the main thread's wait
-        every = signal.valid_signals()
-        before = signal.pthread_sigmask(signal.SIG_BLOCK, every)
-        try:
-            threading.Thread(target=watch, daemon=True, name="forkserver-watch").start()
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, before)
+        # One thread, as in a fresh interpreter: a signal always reaches the thread that runs the
+        # service (the server, not a thread here, kills this child when its client dies).
         try:
             runpy.run_path(script, run_name="__main__")
             code = 0
@@ -288,6 +284,7 @@ def serve(sock_path: str, preload_file: str) -> None:
                     os.close(fd)
                 children[pid] = conn
                 conn.send(json.dumps({"pid": pid}).encode())
+                sel.register(conn, selectors.EVENT_READ, pid)
             elif key.fileobj == rd:
                 while True:
                     try:
@@ -295,6 +292,17 @@ def serve(sock_path: str, preload_file: str) -> None:
                             break
                     except BlockingIOError:
                         break
+            else:  # a client's connection: it only ever closes, when the client is gone
+                try:
+                    data = key.fileobj.recv(MAX_MSG)
+                except OSError:
+                    data = b""
+                if not data:  # the client died (its supervisor killed it): so does the service
+                    sel.unregister(key.fileobj)
+                    try:
+                        os.kill(key.data, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
         while children:  # reap: tell each client how its child ended
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
@@ -304,6 +312,8 @@ def serve(sock_path: str, preload_file: str) -> None:
                 break
             conn = children.pop(pid, None)
             if conn is not None:
+                if conn in (k.fileobj for k in sel.get_map().values()):
+                    sel.unregister(conn)
                 try:
                     conn.send(json.dumps({"status": status}).encode())
                 except OSError:
