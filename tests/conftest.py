@@ -8,7 +8,14 @@ import os
 import sys
 from pathlib import Path
 
-import torch
+# One intra-op thread per process (torch's OpenMP, MKL, OpenBLAS): `make test` runs more xdist
+# workers than cores, and a second thread mostly spin-waits for the core the other workers hold
+# (measured on 2 cores with one core busy: one sampling test 29 CPU-s with 2 threads, 21 with 1).
+# Set before torch is first imported; the tests' subprocesses inherit it.
+for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
+import torch  # noqa: E402
 
 # Without a GPU, Triton kernels (ddtree_utils' fused tree kernels, sglang's helpers) run in
 # Triton's interpreter. Triton reads this when it is first imported, so it is set here, before
@@ -151,6 +158,20 @@ def pytest_xdist_make_scheduler(config, log):
             self.check_schedule()  # nothing left to hand out: an idle worker steals
 
     return LongestFirst(config, log)
+
+
+@pytest.fixture(autouse=True)
+def _sglang_stays_unimported(request):
+    """tests/sglang imports sglang once per worker, from the build laid over it (the
+    sglang_overlay fixture). A test elsewhere that imports the installed sglang in-process (say
+    through pytest.importorskip) breaks every overlay test that xdist later hands the same worker:
+    fail that test, by name, instead (CI's 16 overlay errors of the tenth session's try)."""
+    had = "sglang" in sys.modules
+    yield
+    if not had and "sglang" in sys.modules and "sglang_overlay" not in request.fixturenames:
+        where = getattr(sys.modules["sglang"], "__file__", "?")
+        pytest.fail(f"this test imported sglang in-process ({where}); use importlib.util.find_spec "
+                    "or a subprocess, or request the sglang_overlay fixture")
 
 
 @pytest.fixture

@@ -1,12 +1,10 @@
 """Target sampling for the sampling verify: sample_from_logits / sample_tree_targets.
 
-The reference is SGLang's own plain sampler: ``top_k_top_p_min_p_sampling_from_probs_torch``
-from the installed sglang 0.5.13.post1 (its pytorch backend; the default flashinfer backend
-applies the same joint rule, see docs/DDTREE.md), fed with probabilities computed the way
-``Sampler.forward`` does (``logits / temperature`` then softmax). ``target_probs_from_logits``
-is the dense reference of the same semantics; the tests check it against SGLang's sampler and
-the batched sampler (both backends: torch, and the Triton kernel under TRITON_INTERPRET=1 as
-set by tests/conftest.py) against it.
+``target_probs_from_logits`` (ddtree_reference) is the dense reference of SGLang's plain sampler
+(checked against SGLang's own ``top_k_top_p_min_p_sampling_from_probs_torch`` in
+tests/sglang/test_sampler_vs_sglang.py, through the overlay); the tests here check the batched
+sampler (both backends: torch, and the Triton kernel under TRITON_INTERPRET=1 as set by
+tests/conftest.py) against it.
 """
 
 from __future__ import annotations
@@ -31,87 +29,12 @@ _INTERP_FULL_VOCAB = pytest.mark.skipif(
     reason="Triton interpreter at full vocabulary is too slow on CPU (GPU test covers it)",
 )
 
+from sampling_cases import CASES, TOP_K_ALL, fits, ours, row_logits
+
 import ddtree_reference as dr
 import ddtree_utils as du
 
 ROOT = Path(__file__).resolve().parent.parent
-TOP_K_ALL = 1 << 30  # SGLang's stored "no top_k"
-
-
-def sglang_sampler():
-    sampler = pytest.importorskip("sglang.srt.layers.sampler")
-    return sampler.top_k_top_p_min_p_sampling_from_probs_torch
-
-
-def sglang_draws(logits_row, temp, top_k, top_p, min_p, n, seed):
-    """n draws from SGLang's real pytorch-backend sampler for one row of logits."""
-    fn = sglang_sampler()
-    logits = logits_row.float().unsqueeze(0).repeat(n, 1)
-    temps = torch.full((n, 1), float(temp))
-    probs = torch.softmax(logits / temps, dim=-1)  # Sampler.forward: div_, then softmax
-    torch.manual_seed(seed)  # the function draws with torch.multinomial's global generator
-    ids = fn(
-        probs,
-        torch.full((n,), top_k, dtype=torch.int32),
-        torch.full((n,), float(top_p)),
-        torch.full((n,), float(min_p)),
-        min_p > 0,
-        None,
-        torch.zeros(n, dtype=torch.int64),
-    )
-    return ids.long()
-
-
-def ours(logits_row, temp, top_k, top_p, min_p, n, seed, backend):
-    logits = logits_row.unsqueeze(0).expand(n, -1)
-    return du.sample_from_logits(
-        logits,
-        torch.full((n,), float(temp)),
-        torch.full((n,), top_k, dtype=torch.int32),
-        torch.full((n,), float(top_p)),
-        torch.full((n,), float(min_p)),
-        generator=torch.Generator().manual_seed(seed),
-        backend=backend,
-    )
-
-
-def fits(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Chi-square p-value of counts against probs on the support (and no draw outside it)."""
-    n = int(counts.sum())
-    support = probs > 0
-    assert counts[~support].sum() == 0, "a draw outside the kept set"
-    want = probs[support].double()
-    return chisquare(counts[support].double().numpy(), (want / want.sum() * n).numpy()).pvalue
-
-
-# (temperature, top_k, top_p, min_p): each filter alone, combinations, and the defaults
-CASES = [
-    (0.7, TOP_K_ALL, 1.0, 0.0),
-    (1.0, 4, 1.0, 0.0),
-    (0.8, TOP_K_ALL, 0.7, 0.0),
-    (1.2, TOP_K_ALL, 1.0, 0.15),
-    (0.9, 5, 0.8, 0.0),
-    (0.6, 6, 0.9, 0.05),
-    (1.5, TOP_K_ALL, 0.5, 0.0),
-]
-
-
-def row_logits(seed: int, vocab: int = 12) -> torch.Tensor:
-    return torch.randn(vocab, generator=torch.Generator().manual_seed(seed)) * 1.5
-
-
-@pytest.mark.stat
-@pytest.mark.parametrize("case", CASES)
-def test_reference_matches_sglang_sampler(case):
-    """The dense reference is SGLang's plain sampler's distribution (chi-square, 30k draws)."""
-    temp, top_k, top_p, min_p = case
-    x = row_logits(hash(case) % 1000)
-    want = dr.target_probs_from_logits(x.unsqueeze(0), temp, top_k, top_p, min_p)[0]
-    draws = sglang_draws(x, temp, top_k, top_p, min_p, 30000, seed=1)
-    counts = torch.bincount(draws, minlength=x.numel())
-    assert fits(counts, want) > 1e-3
-    # SGLang draws every token that the reference keeps with a sizeable expected count
-    assert bool((counts > 0)[want * 30000 >= 20].all())
 
 
 @pytest.mark.stat
@@ -194,33 +117,6 @@ def test_reference_uniforms_are_uniform_with_53_bits():
     assert bool(((u >= 0) & (u < 1)).all()) and u.unique().numel() == 4096
     assert kstest(u.numpy(), "uniform").pvalue > 1e-3
     assert bool((u.float().double() != u).any())  # values that float32 cannot hold
-
-
-@pytest.mark.stat
-def test_sampler_against_sglang_directly():
-    """Two-sample chi-square: our draws and SGLang's for the same row and parameters."""
-    x = row_logits(7, vocab=20)
-    for temp, top_k, top_p, min_p in CASES:
-        a = torch.bincount(sglang_draws(x, temp, top_k, top_p, min_p, 20000, 3), minlength=20)
-        b = torch.bincount(ours(x, temp, top_k, top_p, min_p, 20000, 4, "torch"), minlength=20)
-        used = (a + b) > 0
-        table = torch.stack([a[used], b[used]]).double()
-        expect = table.sum(0, keepdim=True) * table.sum(1, keepdim=True) / table.sum()
-        stat = ((table - expect) ** 2 / expect).sum()
-        from scipy.stats import chi2
-
-        assert chi2.sf(float(stat), int(used.sum()) - 1) > 1e-3, (temp, top_k, top_p, min_p)
-
-
-def test_joint_rule_is_not_top_k_then_top_p():
-    """top-p counts the mass on the original distribution (joint), not after top-k renormalising:
-    the two orders keep different sets here, and SGLang's sampler keeps the joint one."""
-    x = torch.log(torch.tensor([0.4, 0.3, 0.2, 0.1]))
-    joint = dr.target_probs_from_logits(x.unsqueeze(0), 1.0, 2, 0.5)[0]
-    # sequential would renormalise the top-2 (0.4/0.7 = 0.57 >= 0.5) and keep only token 0
-    assert (joint > 0).tolist() == [True, True, False, False]
-    draws = sglang_draws(x, 1.0, 2, 0.5, 0.0, 4000, seed=5)
-    assert set(draws.tolist()) == {0, 1}
 
 
 def brute_kept(s: list[float], top_k: int, top_p: float, min_p: float) -> list[bool]:
