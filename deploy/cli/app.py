@@ -15,7 +15,7 @@ import sys
 import typer
 
 from ..errors import DDTreeDeployError
-from . import bench_cmds, build_cmds, remote_cmds, ui
+from . import ui
 from .ui import emit_json, error
 
 app = typer.Typer(
@@ -25,42 +25,63 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=False,
 )
+
+
+@app.callback()
+def _group() -> None:
+    # A callback keeps the app a group of commands even while only one is registered (Typer runs
+    # a lone command as the app itself): `ddtree-deploy bench ...` registers bench alone.
+    pass
+
+
 snapshot_app = typer.Typer(help="Check or re-import the vendored upstream SGLang files.", no_args_is_help=True)
 
-# (typer app, command name, function): the whole command line, in `--help` order
+# (typer app, command name, module of deploy.cli, function): the whole command line, in `--help`
+# order. The command modules are imported when their commands are registered: a `push` or
+# `status` registers (and imports) remote_cmds only, not the build and bench commands with the
+# quality gates behind them (about a third of the tool's start-up).
 COMMANDS = [
-    (app, "patch", build_cmds.patch),
-    (app, "check", build_cmds.check),
-    (app, "series", build_cmds.series_cmd),
-    (app, "refresh", build_cmds.refresh_cmd),
-    (snapshot_app, "verify", build_cmds.snapshot_verify),
-    (snapshot_app, "import", build_cmds.snapshot_import),
-    (app, "bench", bench_cmds.bench),
-    (app, "push", remote_cmds.push),
-    (app, "rollback", remote_cmds.rollback),
-    (app, "restart", remote_cmds.restart_cmd),
-    (app, "plan", remote_cmds.plan),
-    (app, "status", remote_cmds.status),
-    (app, "unlock", remote_cmds.unlock),
+    (app, "patch", "build_cmds", "patch"),
+    (app, "check", "build_cmds", "check"),
+    (app, "series", "build_cmds", "series_cmd"),
+    (app, "refresh", "build_cmds", "refresh_cmd"),
+    (snapshot_app, "verify", "build_cmds", "snapshot_verify"),
+    (snapshot_app, "import", "build_cmds", "snapshot_import"),
+    (app, "bench", "bench_cmds", "bench"),
+    (app, "push", "remote_cmds", "push"),
+    (app, "rollback", "remote_cmds", "rollback"),
+    (app, "restart", "remote_cmds", "restart_cmd"),
+    (app, "plan", "remote_cmds", "plan"),
+    (app, "status", "remote_cmds", "status"),
+    (app, "unlock", "remote_cmds", "unlock"),
 ]
-_registered = False
+_registered: set[tuple[int, str]] = set()
 
 
-def _register() -> None:
-    """Add COMMANDS to the app (once)."""
-    global _registered
-    if _registered:
-        return
-    for target, name, fn in COMMANDS:
-        target.command(name)(fn)
-    app.add_typer(snapshot_app, name="snapshot")
-    _registered = True
+def _register(only: str | None = None) -> None:
+    """Add COMMANDS to the app: every one, or (`only`: a top-level command name, `snapshot` for its
+    group) the commands of the module that holds it. Safe to call again."""
+    import importlib
+
+    owner = {name: mod for target, name, mod, _ in COMMANDS if target is app} | {"snapshot": "build_cmds"}
+    modules = {mod for _, _, mod, _ in COMMANDS} if only not in owner else {owner[only]}
+    for target, name, mod, attr in COMMANDS:
+        if mod in modules and (id(target), name) not in _registered:
+            target.command(name)(getattr(importlib.import_module(f"{__package__}.{mod}"), attr))
+            _registered.add((id(target), name))
+    if "build_cmds" in modules and (id(app), "snapshot") not in _registered:
+        app.add_typer(snapshot_app, name="snapshot")
+        _registered.add((id(app), "snapshot"))
 
 
-_register()
+def _command_in(argv: list[str]) -> str | None:
+    """The command a command line names: its first word that is not an option (the app itself
+    takes no option but --help)."""
+    return next((a for a in argv if not a.startswith("-")), None)
 
 
 def main() -> None:
+    _register(_command_in(sys.argv[1:]))
     try:
         rc = app(standalone_mode=False)
     except DDTreeDeployError as exc:
