@@ -135,6 +135,8 @@ PermitRootLogin prohibit-password
 StrictModes no
 Subsystem sftp internal-sftp
 LogLevel VERBOSE
+# authorized_keys gives the bed's key its own HOME (see ssh_bed)
+PermitUserEnvironment yes
 """
 
 
@@ -171,7 +173,13 @@ def ssh_bed(root: Path) -> SSHBed:
     host_ip, ns_ip = f"10.{o2}.{o3}.1", f"10.{o2}.{o3}.2"
     for name, comment in (("host_key", "ct200"), ("ns_host_key", "gpu-b"), ("client_key", "client")):
         sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", str(root / name))
-    shutil.copyfile(root / "client_key.pub", root / "authorized_keys")
+    # The login shell sshd runs every command with (root's: bash) sources ~/.bashrc even when not
+    # interactive. The machine running the tests may have a heavy one (here: `pyenv init`, 0.18
+    # CPU-s and as long in wall time per command, most of the deploy tests' CPU): the bed's key logs
+    # in with a HOME of its own, empty, so a host command costs what it would on a plain host.
+    home = root / "home"
+    home.mkdir(exist_ok=True)
+    (root / "authorized_keys").write_text(f'environment="HOME={home}" ' + (root / "client_key.pub").read_text())
     port = free_port()
     bed = SSHBed(root, port, ns, veth, ns_ip, root / "client_key", root / "known_hosts", root / "ssh_config",
                  [root / "sshd.pid", root / "ns_sshd.pid"])
