@@ -109,7 +109,7 @@ CASES = [
     (dt.ddtree_build_kernel, BUILD, {"BB": 64, "LB": 16, "PB": 256, "LOGK": 5}, 4),
     # B = 1023 (DDTREE_MAX_BUDGET): the largest kernel by far (a 3.3-3.8 MB cubin, 70-85 s of
     # Triton's passes and ptxas on this CPU, more than the other 15 cases together), compiled for
-    # sm_120 only (SM120_ONLY): its 99 KB of shared memory per block is the stricter limit, and on
+    # sm_120 only (sm120_only): its 99 KB of shared memory per block is the stricter limit, and on
     # sm_90 tests/gpu/test_ddtree_utils_cuda.py compiles and runs budget 1023 in every GPU session
     (dt.ddtree_build_kernel, BUILD, {"BB": 1024, "LB": 16, "PB": 8192, "LOGK": 5}, 16),
     (dt.ddtree_compile_kernel, COMPILE, {"NB": 2, "DB": 2, "RB": 2}, 4),
@@ -131,12 +131,14 @@ CASES = [
 ]
 
 
-# indices of CASES compiled for sm_120 only (see above): the B = 1023 tree build
-SM120_ONLY = {i for i, (fn, _, consts, _) in enumerate(CASES) if fn is dt.ddtree_build_kernel and consts["BB"] == 1024}
+def sm120_only(case: tuple) -> bool:
+    """The case compiled for sm_120 alone (see CASES): budget 1023's tree build."""
+    fn, _, consts, _ = case
+    return fn is dt.ddtree_build_kernel and consts["BB"] == 1024
 
 
 def cases_for(arch: int) -> list[tuple]:
-    return [c for i, c in enumerate(CASES) if arch == 120 or i not in SM120_ONLY]
+    return [c for c in CASES if arch == 120 or not sm120_only(c)]
 
 
 def main() -> int:

@@ -55,7 +55,7 @@ COMMANDS = [
     (app, "status", "remote_cmds", "status"),
     (app, "unlock", "remote_cmds", "unlock"),
 ]
-_registered: set[tuple[int, str]] = set()
+_loaded: set[str] = set()  # the command modules whose commands are on the app
 
 
 def _register(only: str | None = None) -> None:
@@ -64,14 +64,13 @@ def _register(only: str | None = None) -> None:
     import importlib
 
     owner = {name: mod for target, name, mod, _ in COMMANDS if target is app} | {"snapshot": "build_cmds"}
-    modules = {mod for _, _, mod, _ in COMMANDS} if only not in owner else {owner[only]}
+    new = ({owner[only]} if only in owner else {mod for _, _, mod, _ in COMMANDS}) - _loaded
     for target, name, mod, attr in COMMANDS:
-        if mod in modules and (id(target), name) not in _registered:
+        if mod in new:
             target.command(name)(getattr(importlib.import_module(f"{__package__}.{mod}"), attr))
-            _registered.add((id(target), name))
-    if "build_cmds" in modules and (id(app), "snapshot") not in _registered:
+    if "build_cmds" in new:
         app.add_typer(snapshot_app, name="snapshot")
-        _registered.add((id(app), "snapshot"))
+    _loaded.update(new)
 
 
 def _command_in(argv: list[str]) -> str | None:
