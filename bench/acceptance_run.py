@@ -70,36 +70,55 @@ def log(msg: str) -> None:
     print(f"[acceptance_run {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+# The auto words --budgets takes: the server's flag value and the environment it gets. "auto+off"
+# is the controller with `off` rounds offered (plain decode under load; docs/DDTREE.md).
+AUTO_MODES: dict[str, dict[str, str]] = {"auto": {}, "auto+off": {"SGLANG_DDTREE_AUTO_OFF": "1"}}
+
+
 def ddtree_label(budget: int | str) -> str:
-    """"DDTREE b15" for a fixed budget, "DDTREE auto" for the per-round controller."""
+    """"DDTREE b15" for a fixed budget, "DDTREE auto" / "DDTREE auto+off" for the controller."""
     return f"DDTREE b{budget}" if isinstance(budget, int) else f"DDTREE {budget}"
 
 
 def parse_budgets(text: str) -> list[int | str]:
-    """--budgets: fixed budgets (integers) and "auto"."""
+    """--budgets: fixed budgets (integers), "auto" and "auto+off"."""
     out: list[int | str] = []
     for x in filter(None, text.split(",")):
         if x.isdigit():
             out.append(int(x))
-        elif x == "auto":
+        elif x in AUTO_MODES:
             out.append(x)
         else:
-            raise SystemExit(f"--budgets: {x!r} is neither an integer nor 'auto'")
+            raise SystemExit(f"--budgets: {x!r} is neither an integer nor one of {', '.join(AUTO_MODES)}")
     return out
 
 
 def configs(budgets: list[int | str]) -> list[tuple[str, str]]:
     out = [("plain", ""), ("DFLASH", "--speculative-algorithm DFLASH --speculative-draft-model-path {draft}")]
     for b in budgets:
+        flag = "auto" if isinstance(b, str) else b
         out.append((ddtree_label(b), "--speculative-algorithm DDTREE --speculative-draft-model-path {draft} "
-                    f"--speculative-ddtree-budget {b}"))
+                    f"--speculative-ddtree-budget {flag}"))
     return out
+
+
+def server_env(name: str, phase_times: bool = False) -> dict[str, str]:
+    """The environment a configuration's server gets on top of this process's: the auto mode's
+    switches, and SGLANG_DDTREE_PHASE_TIMES=1 on every DDTREE server with --phase-times (the
+    round's phases in the log; the same few CUDA events a round on every DDTREE server)."""
+    env: dict[str, str] = {}
+    if name.startswith("DDTREE "):
+        env.update(AUTO_MODES.get(name.split()[1], {}))
+        if phase_times:
+            env["SGLANG_DDTREE_PHASE_TIMES"] = "1"
+    return env
 
 
 class Server:
     def __init__(self, name: str, extra: str, port: int, pair: Path, logdir: Path, backend: str, common: str,
-                 dtype: str = "bfloat16"):
+                 dtype: str = "bfloat16", env: dict[str, str] | None = None):
         self.name, self.port = name, port
+        self.env = dict(env or {})
         self.url = f"http://127.0.0.1:{port}"
         self.cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(pair / "target"),
                     "--host", "127.0.0.1", "--port", str(port), "--attention-backend", backend, "--dtype", dtype,
@@ -113,9 +132,10 @@ class Server:
 
     def start(self) -> None:
         self.t0 = time.time()
-        log(f"start {self.name}: {' '.join(self.cmd)}")
+        envs = " ".join(f"{k}={v}" for k, v in sorted(self.env.items()))
+        log(f"start {self.name}: {envs + ' ' if envs else ''}{' '.join(self.cmd)}")
         self.proc = subprocess.Popen(self.cmd, stdout=open(self.logpath, "w"), stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+                                     start_new_session=True, env={**os.environ, **self.env})
 
     def poll_ready(self) -> bool:
         """True once /health answers; sets error if the process died."""
@@ -159,10 +179,33 @@ def attached_mismatch(s: "Server") -> str | None:
     want_budget: int | str | None = None
     if s.name.startswith("DDTREE "):
         word = s.name.split()[1]
-        want_budget = int(word[1:]) if word[1:].isdigit() else word
+        want_budget = int(word[1:]) if word[1:].isdigit() else "auto" if word in AUTO_MODES else word
     if algo != want_algo or (want_budget is not None and str(budget) != str(want_budget)):
         return f"port {s.port} serves algorithm {algo} budget {budget}, not {s.name}"
     return None
+
+
+def auto_snapshot(url: str) -> dict | None:
+    """The controller's state of a DDTREE auto server (internal_states[i].ddtree_budget_auto of
+    /get_server_info: widths, cost table, calibration, rounds per width), or None."""
+    try:
+        with urllib.request.urlopen(url + "/get_server_info", timeout=10) as r:
+            info = json.loads(r.read())
+    except Exception:
+        return None
+    for st in info.get("internal_states") or []:
+        if isinstance(st, dict) and isinstance(st.get("ddtree_budget_auto"), dict):
+            return st["ddtree_budget_auto"]
+    return None
+
+
+def chosen_between(before: dict | None, after: dict | None) -> dict | None:
+    """Rounds per option that a level added (the difference of two snapshots' `chosen`)."""
+    if not after or not isinstance(after.get("chosen"), dict):
+        return None
+    b = (before or {}).get("chosen") or {}
+    diff = {k: v - b.get(k, 0) for k, v in after["chosen"].items()}
+    return {k: v for k, v in diff.items() if v}
 
 
 def post(url: str, body: dict, timeout: float = 300) -> object:
@@ -234,7 +277,9 @@ def main() -> int:
     ap.add_argument("--pair", type=Path, default=None, help="reuse a trained pair (target/, draft/, prompts.jsonl)")
     ap.add_argument("--pair-dir", type=Path, default=Path("/tmp/tiny-pair"))
     ap.add_argument("--train-args", default="--time-limit 270", help="extra arguments for train_tiny_pair.py")
-    ap.add_argument("--budgets", default="15,63,255")
+    ap.add_argument("--budgets", default="15,63,255", help="fixed budgets, auto, auto+off (comma-separated)")
+    ap.add_argument("--phase-times", action="store_true",
+                    help="SGLANG_DDTREE_PHASE_TIMES=1 on every DDTREE server (per-phase round times in their logs)")
     ap.add_argument("--concurrency", default="1,4,16,32")
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -277,7 +322,8 @@ def main() -> int:
     cfgs = configs(budgets)
 
     pair = a.pair or a.pair_dir
-    servers = [Server(n, e, a.port_base + i, pair, logdir, a.backend, a.common, a.dtype) for i, (n, e) in enumerate(cfgs)]
+    servers = [Server(n, e, a.port_base + i, pair, logdir, a.backend, a.common, a.dtype,
+                      env=server_env(n, a.phase_times)) for i, (n, e) in enumerate(cfgs)]
     if a.exactness_only:
         temps = []
     train_rc = 0
@@ -352,6 +398,8 @@ def main() -> int:
         log(f"greedy outputs equal to the first server's ({live[0].name if live else '-'}): {exact}")
         results: list[B.ServerResult] = []
         skipped: list[str] = []
+        auto_levels: dict = {}  # auto servers: {name: {T: {c: rounds per option}}}
+        auto_final: dict = {}  # auto servers: {name: {T: the controller's snapshot after the levels}}
         for t in temps:
             samp = B.Sampling(max_new_tokens=a.max_new_tokens, temperature=t)
             for s in servers:
@@ -363,14 +411,25 @@ def main() -> int:
                     for c in levels:
                         if time.time() < deadline:
                             B.run_level(s.url, prompts, c, c, warm)
+                is_auto = s.name.split()[-1] in AUTO_MODES
+                snap = auto_snapshot(s.url) if is_auto else None
                 for c in levels:
                     if time.time() > deadline:
                         skipped.append(f"{s.name} T={t:g} c={c}")
                         continue
                     r.levels.append(B.run_level(s.url, prompts, c, B.requests_for(c, a.requests), samp))
                     lv = r.levels[-1]
+                    chosen = None
+                    if is_auto:  # which options the controller ran at this level
+                        after = auto_snapshot(s.url)
+                        chosen = chosen_between(snap, after)
+                        auto_levels.setdefault(s.name, {}).setdefault(f"T={t:g}", {})[str(c)] = chosen
+                        snap = after
                     log(f"{s.name} T={t:g} c={c}: {lv.output_tokens_per_s} tok/s, accept {lv.accept_length}, "
-                        f"round {lv.per_round_ms} ms, p50 {lv.latency_p50_ms} ms, errors {len(lv.errors)}")
+                        f"round {lv.per_round_ms} ms, p50 {lv.latency_p50_ms} ms, errors {len(lv.errors)}"
+                        + (f", rounds per option {chosen}" if is_auto else ""))
+                if is_auto:
+                    auto_final.setdefault(s.name, {})[f"T={t:g}"] = snap
                 try:
                     r.server = B.server_info(s.url)
                 except Exception as exc:  # a server that died mid-run: its levels carry the errors
@@ -382,6 +441,8 @@ def main() -> int:
             "startup_s": {s.name: s.startup_s for s in servers}, "server_errors": {s.name: s.error for s in servers if s.error},
             "verify_limits": {s.name: s.verify_limit() for s in servers if s.name.startswith("DDTREE")},
             "server_cmds": {s.name: "attached: started by an earlier run" if s.attached else " ".join(s.cmd) for s in servers},
+            "server_env": {s.name: s.env for s in servers if s.env},
+            "auto_rounds_per_level": auto_levels, "auto_snapshot": auto_final,
             "train": {k: train[k] for k in ("stages", "seconds", "truncated", "bytes", "torch", "python")} if train else None,
             "seconds": round(time.time() - t_start, 1),
         })

@@ -170,12 +170,20 @@ def test_acceptance_run_takes_auto_beside_fixed_budgets_and_checks_it_on_attach(
     ar = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ar)
 
-    assert ar.parse_budgets("15,auto") == [15, "auto"]
-    names = [n for n, _ in ar.configs(ar.parse_budgets("15,auto"))]
-    assert names == ["plain", "DFLASH", "DDTREE b15", "DDTREE auto"]
+    assert ar.parse_budgets("15,auto,auto+off") == [15, "auto", "auto+off"]
+    names = [n for n, _ in ar.configs(ar.parse_budgets("15,auto,auto+off"))]
+    assert names == ["plain", "DFLASH", "DDTREE b15", "DDTREE auto", "DDTREE auto+off"]
     assert "--speculative-ddtree-budget auto" in ar.configs(["auto"])[-1][1]
-    with pytest.raises(SystemExit, match="neither an integer nor 'auto'"):
+    assert ar.configs(["auto+off"])[-1][1].endswith("--speculative-ddtree-budget auto")
+    with pytest.raises(SystemExit, match="neither an integer nor one of auto, auto"):
         ar.parse_budgets("15,big")
+    # the server environment: off rounds only for auto+off, phase times on every DDTREE server
+    assert ar.server_env("DDTREE auto+off") == {"SGLANG_DDTREE_AUTO_OFF": "1"}
+    assert ar.server_env("DDTREE auto") == {} and ar.server_env("plain", phase_times=True) == {}
+    assert ar.server_env("DDTREE b15", phase_times=True) == {"SGLANG_DDTREE_PHASE_TIMES": "1"}
+    # the rounds a level added per option, from two controller snapshots
+    assert ar.chosen_between({"chosen": {"16": 3, "off": 1}}, {"chosen": {"16": 10, "off": 1, "64": 2}}) == {"16": 7, "64": 2}
+    assert ar.chosen_between(None, {"chosen": {"16": 3}}) == {"16": 3} and ar.chosen_between(None, None) is None
 
     fake = FakeSGLang("DDTREE", accept=4, budget="auto")
     for port in range(35100, 60000, 11):
@@ -189,6 +197,7 @@ def test_acceptance_run_takes_auto_beside_fixed_budgets_and_checks_it_on_attach(
             return SimpleNamespace(name=name, port=port, url=f"http://127.0.0.1:{port}")
 
         assert ar.attached_mismatch(server("DDTREE auto")) is None
+        assert ar.attached_mismatch(server("DDTREE auto+off")) is None  # the flag value is auto
         assert "budget auto, not DDTREE b15" in ar.attached_mismatch(server("DDTREE b15"))
     finally:
         fake.stop()
