@@ -247,6 +247,18 @@ class CostTable:
     batch size between them, constant beyond), 0 while no bucket has one. So a seeded cell is
     never missing: the controller prices every seeded width from the first round.
 
+    :data:`OFF` has a rest of its own (``off_offset``), learnt from off rounds only: an off
+    round runs no draft forward and builds no tree, so the trees' rest would overprice it, and
+    an option priced too high is never chosen, so its price would never be corrected (measured
+    on the H100, lifted pair, T = 1: off priced 15.9 ms at batch 64 against 8.3 ms for a plain
+    decode step, and never run). Until an off round is timed its rest is 0: the price is
+    optimistic, so the controller tries off where its verify alone would pay, and the timed
+    rounds then set its price.
+
+    A timed round more than :attr:`OUTLIER` times away from its cell's price (a round that
+    waited on something else: a prefill, a first use) counts as that bound, so one outlier
+    cannot hold a cell far off its cost for the many rounds a moving average needs to forget it.
+
     A batch of ``bs`` requests costs what the smallest captured graph size ``>= bs`` costs (its
     graph replays with padding; ``graph_sizes`` default: the buckets), interpolated linearly in
     the batch size between the priced buckets of the option, and extrapolated linearly from
@@ -272,6 +284,7 @@ class CostTable:
         self.seconds = [[None if s is None else self._check(s) for s in row] for row in seconds]
         self.verify: list[list[float | None]] = [[None] * len(self.options) for _ in self.buckets]
         self.offset: list[float | None] = [None] * len(self.buckets)
+        self.off_offset: list[float | None] = [None] * len(self.buckets)
         self.graph_sizes = sorted(int(g) for g in (graph_sizes or self.buckets))
         self.decay = float(decay)
 
@@ -318,36 +331,44 @@ class CostTable:
         self.verify[self.buckets.index(int(bs))][j] = s
         return True
 
+    OUTLIER = 2.0  # a timed round counts as at most this many times its cell's price, at least 1 / it
+
     def observe(self, bs: int, option: Option, seconds: float) -> None:
-        """One timed round: the cell's moving average (the first measurement as it is) and, for
-        a seeded cell of a tree width, the bucket's width-independent rest (an off round has no
-        draft forward, so its time says nothing about the trees' rest)."""
+        """One timed round: the cell's moving average (the first measurement as it is; later
+        ones clamped to within :attr:`OUTLIER` times the cell's price) and, for a seeded cell,
+        the bucket's rest: the trees' width-independent rest for a tree width, off's own rest
+        for an off round (it has no draft forward, so its time says nothing about the trees')."""
         i, j = self.bucket_index(bs), self.options.index(option)
         s = self._check(seconds)
+        price = self.cell(i, j)
+        if price is not None and self.seconds[i][j] is not None:
+            s = min(max(s, price / self.OUTLIER), price * self.OUTLIER)
         old = self.seconds[i][j]
         self.seconds[i][j] = s if old is None else self.decay * old + (1.0 - self.decay) * s
         v = self.verify[i][j]
-        if v is not None and option != OFF:  # an off round drafts nothing: not the trees' rest
-            rest, old = max(0.0, s - v), self.offset[i]
-            self.offset[i] = rest if old is None else self.decay * old + (1.0 - self.decay) * rest
+        if v is not None:
+            rests = self.off_offset if option == OFF else self.offset
+            rest, old = max(0.0, s - v), rests[i]
+            rests[i] = rest if old is None else self.decay * old + (1.0 - self.decay) * rest
 
-    def rest(self, i: int) -> float:
-        """Seconds a round of bucket ``i`` spends outside its verify: learnt in that bucket,
-        else interpolated from the buckets that learnt it, else 0."""
-        if self.offset[i] is not None:
-            return self.offset[i]
-        pts = [(b, o) for b, o in zip(self.buckets, self.offset) if o is not None]
+    def rest(self, i: int, off: bool = False) -> float:
+        """Seconds a round of bucket ``i`` spends outside its verify (``off``: an off round's):
+        learnt in that bucket, else interpolated from the buckets that learnt it, else 0."""
+        rests = self.off_offset if off else self.offset
+        if rests[i] is not None:
+            return rests[i]
+        pts = [(b, o) for b, o in zip(self.buckets, rests) if o is not None]
         if not pts:
             return 0.0
         return _interp_flat(float(self.buckets[i]), [b for b, _ in pts], [o for _, o in pts])
 
     def cell(self, i: int, j: int) -> float | None:
         """The price of cell (bucket ``i``, option ``j``): its own timed rounds, else its seed
-        plus the bucket's rest, else None."""
+        plus the bucket's rest (off's own rest for off), else None."""
         if self.seconds[i][j] is not None:
             return self.seconds[i][j]
         if self.verify[i][j] is not None:
-            return self.verify[i][j] + self.rest(i)
+            return self.verify[i][j] + self.rest(i, off=self.options[j] == OFF)
         return None
 
     def missing(self, bs: int) -> list:
@@ -368,7 +389,8 @@ class CostTable:
 
     def as_dict(self) -> dict:
         """``ms``: the timed rounds' averages; ``verify_ms``: the start-up seeds;
-        ``offset_ms``: the learnt rest per bucket; ``cost_ms``: the prices the controller uses."""
+        ``offset_ms``: the trees' learnt rest per bucket; ``off_offset_ms``: off's;
+        ``cost_ms``: the prices the controller uses."""
         rows = range(len(self.buckets))
         return {
             "buckets": list(self.buckets),
@@ -376,6 +398,7 @@ class CostTable:
             "ms": [[_ms(s) for s in row] for row in self.seconds],
             "verify_ms": [[_ms(s) for s in row] for row in self.verify],
             "offset_ms": [_ms(o) for o in self.offset],
+            "off_offset_ms": [_ms(o) for o in self.off_offset],
             "cost_ms": [[_ms(self.cell(i, j)) for j in range(len(self.options))] for i in rows],
         }
 
@@ -408,9 +431,10 @@ class BudgetController:
     cell from the first round, so there the choice is made without warm-up.
 
     Exploration: every ``explore_every``-th choice takes the neighbour of the best width (the
-    next wider, then the next narrower, alternating; the narrowest width when chain or off is
-    best, so that speculation resumes when drafts start landing again) so that widths near the best keep their
-    calibration current; deterministic, so every TP rank makes the same choice.
+    next wider, then the next narrower, alternating; below the narrowest width that is off,
+    when offered; the narrowest width when chain or off is best, so that speculation resumes
+    when drafts start landing again) so that options near the best keep their calibration and
+    prices current; deterministic, so every TP rank makes the same choice.
     """
 
     def __init__(
@@ -463,9 +487,12 @@ class BudgetController:
             else:
                 i = self.widths.index(best)
                 up = (self.choices // self.explore_every) % 2 == 1
-                j = i + 1 if (up and i + 1 < len(self.widths)) or i == 0 else i - 1
-                if 0 <= j < len(self.widths):
-                    best = self.widths[j]
+                if i == 0 and not up and OFF in self.history:  # off is the narrowest's neighbour below
+                    best = OFF
+                else:
+                    j = i + 1 if (up and i + 1 < len(self.widths)) or i == 0 else i - 1
+                    if 0 <= j < len(self.widths):
+                        best = self.widths[j]
         self.history[best] += 1
         self.last = best
         return best
