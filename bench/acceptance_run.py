@@ -278,6 +278,8 @@ def main() -> int:
     ap.add_argument("--pair-dir", type=Path, default=Path("/tmp/tiny-pair"))
     ap.add_argument("--train-args", default="--time-limit 270", help="extra arguments for train_tiny_pair.py")
     ap.add_argument("--budgets", default="15,63,255", help="fixed budgets, auto, auto+off (comma-separated)")
+    ap.add_argument("--without", default="", help="configurations to leave out, by name (e.g. DFLASH): what does not "
+                    "fit the card beside the others; plain stays (the greedy reference)")
     ap.add_argument("--phase-times", action="store_true",
                     help="SGLANG_DDTREE_PHASE_TIMES=1 on every DDTREE server (per-phase round times in their logs)")
     ap.add_argument("--concurrency", default="1,4,16,32")
@@ -320,10 +322,14 @@ def main() -> int:
     temps = [float(x) for x in a.temperatures.split(",") if x]
     levels = B.parse_concurrency(a.concurrency)
     cfgs = configs(budgets)
+    without = {x.strip() for x in a.without.split(",") if x.strip()}
+    if "plain" in without or without - {n for n, _ in cfgs}:
+        raise SystemExit(f"--without: {sorted(without)}: name configurations of this run other than plain "
+                         f"({', '.join(n for n, _ in cfgs[1:])})")
 
     pair = a.pair or a.pair_dir
     servers = [Server(n, e, a.port_base + i, pair, logdir, a.backend, a.common, a.dtype,
-                      env=server_env(n, a.phase_times)) for i, (n, e) in enumerate(cfgs)]
+                      env=server_env(n, a.phase_times)) for i, (n, e) in enumerate(cfgs) if n not in without]
     if a.exactness_only:
         temps = []
     train_rc = 0
