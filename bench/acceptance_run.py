@@ -280,6 +280,8 @@ def main() -> int:
     ap.add_argument("--budgets", default="15,63,255", help="fixed budgets, auto, auto+off (comma-separated)")
     ap.add_argument("--without", default="", help="configurations to leave out, by name (e.g. DFLASH): what does not "
                     "fit the card beside the others; plain stays (the greedy reference)")
+    ap.add_argument("--log-dir", type=Path, default=Path("/tmp/acceptance-logs"),
+                    help="server logs (its *.log are cleared first): one per run when two runs share a machine")
     ap.add_argument("--phase-times", action="store_true",
                     help="SGLANG_DDTREE_PHASE_TIMES=1 on every DDTREE server (per-phase round times in their logs)")
     ap.add_argument("--concurrency", default="1,4,16,32")
@@ -312,7 +314,7 @@ def main() -> int:
     t_start = time.time()
     deadline = t_start + a.budget_s
     a.out.mkdir(parents=True, exist_ok=True)
-    logdir = Path("/tmp/acceptance-logs")
+    logdir = a.log_dir
     logdir.mkdir(parents=True, exist_ok=True)
     for old in logdir.glob("*.log") if not a.attach else []:  # attached servers keep writing theirs
         old.unlink()
