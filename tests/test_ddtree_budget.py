@@ -800,7 +800,7 @@ def test_off_priced_with_the_trees_rest_was_never_tried_and_is_now():
     widths, bs = [8, 16], 64
     verify = {(64, 1): 7.8e-3, (64, 8): 13.1e-3, (64, 16): 22.8e-3}
     true_cost = {db.OFF_WIDTH: 8.5e-3, 8: 21.1e-3, 16: 30.3e-3}
-    r = db.AutoRounds(widths, 15, [64], off=True, explore_every=16)
+    r = db.AutoRounds(widths, 15, [64], off=True, explore_every=64)
     r.seed_verify(verify)
     exp = torch.full((bs, len(widths)), 1.6)  # predicted committed per request; realised 1.49
     picks = []
@@ -848,3 +848,28 @@ def test_one_outlier_round_moves_a_cell_at_most_to_twice_its_price():
     assert table.seconds[0][0] == pytest.approx(0.9 * price + 0.1 * price / 2)
     table.observe(32, 16, 500e-3)  # a first measurement is kept
     assert table.seconds[0][1] == pytest.approx(500e-3)
+
+
+def test_a_low_estimate_does_not_hold_off_for_a_whole_interval():
+    """Off rounds draft nothing, so the trees' estimate stays where the round that chose off left
+    it. One batch with a low estimate (fresh requests) sent the H100 run's T = 0, c = 32 level to
+    off for 44 of 105 rounds. While off is best, the narrowest width runs every explore_every /
+    OFF_PROBE choices, so the controller sees the drafts land again within that many rounds."""
+    widths, bs = [8, 16], 32
+    table = db.CostTable([bs], [*widths, db.OFF], [[14e-3, 15e-3, 8e-3]])
+    ctl = db.BudgetController([*widths, db.OFF], table, explore_every=64)
+    good = {8: bs * 4.0, 16: bs * 5.0}  # sums over the batch: 4 and 5 tokens a request
+    for _ in range(10):
+        o = ctl.choose(bs)
+        ctl.observe(o, good, good[o], bs)
+    assert ctl.last == 16
+    ctl.observe(16, {8: bs * 1.2, 16: bs * 1.3}, bs * 1.0, bs)  # one round whose drafts all missed
+    picks = []
+    for _ in range(64):
+        o = ctl.choose(bs)
+        picks.append(o)
+        if o != db.OFF:
+            ctl.observe(o, good, good[o], bs)
+    first_tree = next(i for i, o in enumerate(picks) if o != db.OFF)
+    assert picks[0] == db.OFF and first_tree < 64 // db.BudgetController.OFF_PROBE
+    assert picks[first_tree + 1 :].count(db.OFF) <= 2  # trees again once a probe saw them land
