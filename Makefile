@@ -15,7 +15,7 @@ help:
 	@echo "make patch      build build/sglang-<ver>/ of every pin (snapshot/sglang-<ver>/ + patches/<ver>/series) and run the quality gates"
 	@echo "make check      run the quality gates on the current build of every pin"
 	@echo "                PIN=<ver> for one pin: make patch PIN=0.5.16, make check|series PIN=..., make refresh PATCH=... [PIN=...]"
-	@echo "make test       run the test suite (what CI runs; about 17 min on 2 cores: CPU-bound, see docs/TESTING.md; in parallel with pytest-xdist)"
+	@echo "make test       run the test suite (what CI runs; 9.5 min on a fresh 2-core clone, CPU-bound: docs/TESTING.md; in parallel with pytest-xdist)"
 	@echo "make test-fast  the inner loop: everything but the interpreter, statistical, sshd and slow tiers (under 3 min)"
 	@echo "make push HOST=ct200 | make plan HOST=ct200 | make status HOST=ct200 | make rollback HOST=ct200 [TO=<release>|pristine]"
 	@echo "make bench-serve URL='http://127.0.0.1:30000 ct200' PROMPTS=prompts.jsonl [ARGS='--concurrency 1,4 --plot b.png']"
