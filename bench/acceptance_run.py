@@ -191,7 +191,7 @@ def auto_snapshot(url: str) -> dict | None:
     try:
         with urllib.request.urlopen(url + "/get_server_info", timeout=10) as r:
             info = json.loads(r.read())
-    except Exception:
+    except (OSError, ValueError):  # unreachable (URLError is an OSError) or not JSON
         return None
     for st in info.get("internal_states") or []:
         if isinstance(st, dict) and isinstance(st.get("ddtree_budget_auto"), dict):
