@@ -287,6 +287,7 @@ class CostTable:
         self.off_offset: list[float | None] = [None] * len(self.buckets)
         self.graph_sizes = sorted(int(g) for g in (graph_sizes or self.buckets))
         self.decay = float(decay)
+        self._bucket_of = {b: i for i, b in enumerate(self.buckets)}  # the per-round fast path of cost()
 
     @staticmethod
     def _check(s) -> float:
@@ -379,10 +380,14 @@ class CostTable:
     def cost(self, bs: int, option: Option) -> float | None:
         """Seconds of a round of ``bs`` requests with ``option``; None if never priced."""
         j = self.options.index(option)
+        x = self.padded(int(bs))
+        i = self._bucket_of.get(x)
+        if i is not None and (c := self.cell(i, j)) is not None:
+            return c  # a priced bucket: what the interpolation below gives there, without it
         pts = [(b, c) for i, b in enumerate(self.buckets) if (c := self.cell(i, j)) is not None]
         if not pts:
             return None
-        return _interp(float(self.padded(int(bs))), [b for b, _ in pts], [s for _, s in pts])
+        return _interp(float(x), [b for b, _ in pts], [s for _, s in pts])
 
     def costs(self, bs: int) -> dict:
         return {o: c for o in self.options if (c := self.cost(bs, o)) is not None}
