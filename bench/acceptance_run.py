@@ -311,6 +311,15 @@ def main() -> int:
     a = ap.parse_args()
     if a.common is None:
         a.common = COMMON_BY_PIN[a.pin]
+    # the arguments first: a refused run writes nothing and clears no earlier run's logs
+    budgets = parse_budgets(a.budgets)
+    temps = [float(x) for x in a.temperatures.split(",") if x]
+    levels = B.parse_concurrency(a.concurrency)
+    cfgs = configs(budgets)
+    without = {x.strip() for x in a.without.split(",") if x.strip()}
+    if "plain" in without or without - {n for n, _ in cfgs}:
+        raise SystemExit(f"--without: {sorted(without)}: name configurations of this run other than plain "
+                         f"({', '.join(n for n, _ in cfgs[1:])})")
     t_start = time.time()
     deadline = t_start + a.budget_s
     a.out.mkdir(parents=True, exist_ok=True)
@@ -320,14 +329,6 @@ def main() -> int:
         old.unlink()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    budgets = parse_budgets(a.budgets)
-    temps = [float(x) for x in a.temperatures.split(",") if x]
-    levels = B.parse_concurrency(a.concurrency)
-    cfgs = configs(budgets)
-    without = {x.strip() for x in a.without.split(",") if x.strip()}
-    if "plain" in without or without - {n for n, _ in cfgs}:
-        raise SystemExit(f"--without: {sorted(without)}: name configurations of this run other than plain "
-                         f"({', '.join(n for n, _ in cfgs[1:])})")
 
     pair = a.pair or a.pair_dir
     servers = [Server(n, e, a.port_base + i, pair, logdir, a.backend, a.common, a.dtype,

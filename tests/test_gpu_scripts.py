@@ -201,3 +201,24 @@ def test_acceptance_run_takes_auto_beside_fixed_budgets_and_checks_it_on_attach(
         assert "budget auto, not DDTREE b15" in ar.attached_mismatch(server("DDTREE b15"))
     finally:
         fake.stop()
+
+
+def test_acceptance_run_refuses_a_bad_without_before_touching_anything(tmp_path):
+    """--without naming plain (the greedy reference) or a configuration the run does not have is
+    refused with the names it may use, before the run creates its output folder or clears the
+    server logs of an earlier run in --log-dir."""
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "DFLASH.log").write_text("an earlier run's log\n")
+    for word, shown in (("plain", "['plain']"), ("b15", "['b15']")):
+        out = tmp_path / f"out-{word}"
+        r = subprocess.run([sys.executable, str(root / "bench" / "acceptance_run.py"), "--out", str(out),
+                            "--budgets", "auto+off", "--without", word, "--log-dir", str(logs)],
+                           capture_output=True, text=True, timeout=120, check=False)
+        assert r.returncode == 1, r.stderr[-2000:]
+        assert f"--without: {shown}: name configurations of this run other than plain (DFLASH, DDTREE auto+off)" in r.stderr
+        assert not out.exists()
+        assert (logs / "DFLASH.log").read_text() == "an earlier run's log\n"
