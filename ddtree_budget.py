@@ -341,10 +341,9 @@ class CostTable:
         for an off round (it has no draft forward, so its time says nothing about the trees')."""
         i, j = self.bucket_index(bs), self.options.index(option)
         s = self._check(seconds)
-        price = self.cell(i, j)
-        if price is not None and self.seconds[i][j] is not None:
-            s = min(max(s, price / self.OUTLIER), price * self.OUTLIER)
-        old = self.seconds[i][j]
+        old = self.seconds[i][j]  # the cell's price once it has timed rounds
+        if old is not None:
+            s = min(max(s, old / self.OUTLIER), old * self.OUTLIER)
         self.seconds[i][j] = s if old is None else self.decay * old + (1.0 - self.decay) * s
         v = self.verify[i][j]
         if v is not None:
@@ -504,7 +503,7 @@ class BudgetController:
             else:
                 i = self.widths.index(best)
                 up = (self.choices // self.explore_every) % 2 == 1
-                if i == 0 and not up and OFF in self.history:  # off is the narrowest's neighbour below
+                if i == 0 and not up and OFF in self.options:  # off is the narrowest's neighbour below
                     best = OFF
                 else:
                     j = i + 1 if (up and i + 1 < len(self.widths)) or i == 0 else i - 1
