@@ -10,7 +10,9 @@
 # plain + auto only, so DFLASH and b15 run there only on a card of more than 100 GB.
 # Environment: BUDGETS (e.g. 63 or 255,auto+off) and WITHOUT (e.g. DFLASH, or "" for none) replace
 # that choice; F32=0 skips the float32 exactness run (it needs the 0.5.13.post1 pin to pass: 0.5.16's
-# sgl_kernel RMSNorm has no float32 path).
+# sgl_kernel RMSNorm has no float32 path); CONC (default 1,4,16,32,64) the concurrencies.
+# PIN=0.5.13.post1 (carry that pin's site and overlay instead) runs the v1 worker with its own
+# graph flags; its default budgets are 63 with plain and DFLASH (auto is a 0.5.16 feature).
 set -uo pipefail
 out=${1:?usage: bench/lifted_auto_run.sh OUT SITE_TAR_XZ PAIR_TAR_XZ OVERLAY_DIR [BUDGET_S]}
 site=${2:?}; pair_tar=${3:?}; overlay=${4:?}; budget_s=${5:-470}
@@ -18,7 +20,9 @@ here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$out"
 mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
-if [ "$mem" -gt 100000 ]; then budgets=15,auto+off; without=(); else budgets=auto+off; without=(--without DFLASH); fi
+pin=${PIN:-0.5.16}; conc=${CONC:-1,4,16,32,64}
+if [ "$pin" != 0.5.16 ]; then budgets=63; without=()
+elif [ "$mem" -gt 100000 ]; then budgets=15,auto+off; without=(); else budgets=auto+off; without=(--without DFLASH); fi
 budgets=${BUDGETS:-$budgets}
 if [ -n "${WITHOUT+set}" ]; then without=(); [ -n "$WITHOUT" ] && without=(--without "$WITHOUT"); fi
 mkdir -p /tmp/site /tmp/px
@@ -27,17 +31,20 @@ small=$(ls -d /tmp/px/*/ | head -1)
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 python3 "$here/lift_pair.py" --pair "$small" --out /tmp/lifted --device cuda > "$out/lift.log" 2>&1 || { tail "$out/lift.log"; exit 1; }
 echo "lifted $small at $(date +%T)"
-common="--skip-tokenizer-init --sampling-backend pytorch --cuda-graph-backend-prefill disabled --grammar-backend none --mem-fraction-static 0.9 --random-seed 0"
+common="--skip-tokenizer-init --sampling-backend pytorch --grammar-backend none --mem-fraction-static 0.9 --random-seed 0"
+if [ "$pin" = 0.5.16 ]; then common+=" --cuda-graph-backend-prefill disabled"; graph_bs=--cuda-graph-max-bs-decode
+else common+=" --disable-piecewise-cuda-graph"; graph_bs=--cuda-graph-max-bs; fi
 f32=
 if [ "${F32:-1}" != 0 ]; then
-  python3 "$here/acceptance_run.py" --out "$out/f32" --pin 0.5.16 --pair "$small" --budgets 15,auto+off --exactness-only \
+  f32_budgets=15,auto+off; [ "$pin" = 0.5.16 ] || f32_budgets=15,63
+  python3 "$here/acceptance_run.py" --out "$out/f32" --pin "$pin" --pair "$small" --budgets "$f32_budgets" --exactness-only \
     --dtype float32 --port-base 32000 --log-dir /tmp/f32-logs --budget-s 300 \
-    --common "$common --max-total-tokens 8192 --cuda-graph-max-bs-decode 8 --max-running-requests 8" > "$out/f32.out" 2>&1 &
+    --common "$common --max-total-tokens 8192 $graph_bs 8 --max-running-requests 8" > "$out/f32.out" 2>&1 &
   f32=$!
 fi
-python3 "$here/acceptance_run.py" --out "$out/acc" --pin 0.5.16 --pair /tmp/lifted --concurrency 1,4,16,32,64 \
+python3 "$here/acceptance_run.py" --out "$out/acc" --pin "$pin" --pair /tmp/lifted --concurrency "$conc" \
   --budgets "$budgets" "${without[@]}" --ddtree-first --phase-times --budget-s "$budget_s" \
-  --common "$common --max-total-tokens 24576 --cuda-graph-max-bs-decode 64 --max-running-requests 64" 2>&1 \
+  --common "$common --max-total-tokens 24576 $graph_bs 64 --max-running-requests 64" 2>&1 \
   | grep -v "start \|^\s*$" | tail -40
 rc=${PIPESTATUS[0]}
 if [ -n "$f32" ]; then wait "$f32"; grep -h "greedy outputs" "$out/f32.out"; fi
