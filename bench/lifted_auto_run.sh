@@ -36,7 +36,7 @@ if [ "$pin" = 0.5.16 ]; then common+=" --cuda-graph-backend-prefill disabled"; g
 else common+=" --disable-piecewise-cuda-graph"; graph_bs=--cuda-graph-max-bs; fi
 f32=
 if [ "${F32:-1}" != 0 ]; then
-  f32_budgets=15,auto+off; [ "$pin" = 0.5.16 ] || f32_budgets=15,63
+  f32_budgets=15,auto+off; [ "$pin" = 0.5.16 ] || f32_budgets=63
   python3 "$here/acceptance_run.py" --out "$out/f32" --pin "$pin" --pair "$small" --budgets "$f32_budgets" --exactness-only \
     --dtype float32 --port-base 32000 --log-dir /tmp/f32-logs --budget-s 300 \
     --common "$common --max-total-tokens 8192 $graph_bs 8 --max-running-requests 8" > "$out/f32.out" 2>&1 &
