@@ -1,0 +1,37 @@
+#!/bin/bash
+# One device call (issue 27 item 5): the small trained pair's greedy outputs in float32 under
+# plain, DFLASH and DDTREE (b15, b63), compared token for token with the plain target's: where bf16
+# breaks a tie differently between configurations, float32 should not.
+# Usage (repo root, on the GPU machine): bash bench/f32_greedy_run.sh OUT SITE_TAR_XZ PAIR_TAR_XZ OVERLAY_DIR [PIN]
+# Neither pin's sgl_kernel has a float32 RMSNorm ("failed to dispatch data type Float" on 0.5.13.post1
+# and 0.5.16), so the servers of this run take SGLang's own torch-native forward of every
+# MultiPlatformOp (RMSNorm, SiluAndMul, RoPE: `forward_native`, what SGLang runs on CPU): a gate in
+# MultiPlatformOp.dispatch_forward, set by DDTREE_NATIVE_OPS=1 for these servers only. All three
+# configurations run the same ops, so a difference left is not a kernel's.
+set -uo pipefail
+out=${1:?usage: bench/f32_greedy_run.sh OUT SITE_TAR_XZ PAIR_TAR_XZ OVERLAY_DIR [PIN]}
+site=${2:?}; pair_tar=${3:?}; overlay=${4:?}; pin=${5:-0.5.13.post1}
+here=$(cd "$(dirname "$0")" && pwd)
+mkdir -p "$out" /tmp/site /tmp/px
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
+tar -xJf "$site" -C /tmp/site && tar -xJf "$pair_tar" -C /tmp/px && cp -r "$overlay/srt/." /tmp/site/sglang/srt/ || exit 1
+mp=/tmp/site/sglang/srt/layers/utils/multi_platform.py
+python3 - "$mp" <<'PY' || exit 1
+import sys
+p = sys.argv[1]
+s = open(p).read()
+anchor = "    def dispatch_forward(self):\n"
+if s.count(anchor) != 1:
+    raise SystemExit(f"{p}: no single dispatch_forward to gate")
+gate = anchor + ("        if __import__('os').environ.get('DDTREE_NATIVE_OPS') == '1':\n"
+                 "            return self.forward_native\n")
+open(p, "w").write(s.replace(anchor, gate))
+PY
+small=$(ls -d /tmp/px/*/ | head -1)
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+if [ "$pin" = 0.5.16 ]; then graph="--cuda-graph-backend-prefill disabled --cuda-graph-max-bs-decode 8"
+else graph="--disable-piecewise-cuda-graph --cuda-graph-max-bs 8"; fi
+DDTREE_NATIVE_OPS=1 python3 "$here/acceptance_run.py" --out "$out/f32" --pin "$pin" --pair "$small" --budgets 15,63 \
+  --exactness-only --dtype float32 --port-base 32000 --log-dir "$out/logs" --budget-s 300 \
+  --common "--skip-tokenizer-init --sampling-backend pytorch --grammar-backend none --mem-fraction-static 0.5 --random-seed 0 $graph --max-total-tokens 8192 --max-running-requests 8" 2>&1 \
+  | grep -v "^\s*$" | tail -25
