@@ -251,3 +251,24 @@ restart = {{ strategy = "command", start = "true", stop = "true", status = "true
     assert r.returncode == 5, r.stderr
     doc = json.loads(r.stdout)
     assert doc["ok"] is False and doc["exit_code"] == 5 and "gone" in doc["error"]
+
+
+def test_plot_series_leaves_out_a_server_that_measured_nothing():
+    """A server whose every level failed or was skipped (b63's T = 1 levels past a run's deadline)
+    was drawn as a dotted 'no speculation' line at 1.0; it is now no line and named as not
+    measured, and each server keeps its colour on both panels whatever is left out."""
+    from ddtree_deploy.deploy.remote import bench as B
+
+    def level(c, tps, acc):
+        return {"concurrency": c, "output_tokens_per_s": tps, "accept_length": acc}
+
+    doc = {"servers": [
+        {"label": "plain", "group": "T=1", "levels": [level(1, 150.0, None), level(4, 580.0, None)]},
+        {"label": "DDTREE b63", "group": "T=1", "levels": [level(1, None, None), level(4, None, None)]},
+        {"label": "DFLASH", "group": "T=1", "levels": [level(1, 164.0, 1.49), level(4, None, None)]},
+    ]}
+    series, unmeasured = B.plot_series(doc)
+    assert unmeasured == ["DDTREE b63 (T=1)"]
+    assert [(a["name"], a["color"]) for a in series] == [("plain (T=1)", "C0"), ("DFLASH (T=1)", "C2")]
+    assert series[0]["accept"] is None and series[1]["accept"][0] == 1.49
+    assert series[1]["tokens_per_s"][0] == 164.0 and series[1]["tokens_per_s"][1] != series[1]["tokens_per_s"][1]

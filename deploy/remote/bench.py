@@ -322,6 +322,27 @@ def validate_report(doc: object) -> dict:
     return doc
 
 
+def plot_series(doc: dict) -> tuple[list[dict], list[str]]:
+    """What :func:`plot` draws: one series per server that measured at least one level (name,
+    colour ``C<i>`` kept on both panels, concurrencies, tokens/s, acceptance or None without
+    speculation), and the names of the servers none of whose levels measured anything (every
+    level failed or was skipped: drawn as no line, named in the legend)."""
+    series, unmeasured = [], []
+    for i, s in enumerate(doc["servers"]):
+        name = s["label"] + (f" ({s['group']})" if s.get("group") else "")
+        lv = sorted(s["levels"], key=lambda x: x["concurrency"])
+        if not any(x.get("output_tokens_per_s") for x in lv):
+            unmeasured.append(name)
+            continue
+        acc = [x.get("accept_length") for x in lv]
+        series.append({
+            "name": name, "color": f"C{i % 10}", "x": [x["concurrency"] for x in lv],
+            "tokens_per_s": [x.get("output_tokens_per_s") or float("nan") for x in lv],
+            "accept": [a if a is not None else float("nan") for a in acc] if any(a is not None for a in acc) else None,
+        })
+    return series, unmeasured
+
+
 def plot(doc: dict, path: Path | str, title: str | None = None) -> Path:
     """PNG: output tokens/s (left) and mean acceptance length (right) vs concurrency, one line
     per configuration (label; a ``group`` key, e.g. the temperature, is appended when present)."""
@@ -331,16 +352,13 @@ def plot(doc: dict, path: Path | str, title: str | None = None) -> Path:
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for s in doc["servers"]:
-        name = s["label"] + (f" ({s['group']})" if s.get("group") else "")
-        lv = sorted(s["levels"], key=lambda x: x["concurrency"])
-        xs = [x["concurrency"] for x in lv]
-        ax1.plot(xs, [x.get("output_tokens_per_s") or float("nan") for x in lv], marker="o", label=name)
-        acc = [x.get("accept_length") for x in lv]
-        if any(a is not None for a in acc):
-            ax2.plot(xs, [a if a is not None else float("nan") for a in acc], marker="o", label=name)
+    series, unmeasured = plot_series(doc)
+    for a in series:
+        ax1.plot(a["x"], a["tokens_per_s"], marker="o", color=a["color"], label=a["name"])
+        if a["accept"] is not None:
+            ax2.plot(a["x"], a["accept"], marker="o", color=a["color"], label=a["name"])
         else:
-            ax2.plot(xs, [1.0] * len(xs), linestyle=":", label=f"{name} (no speculation)")
+            ax2.plot(a["x"], [1.0] * len(a["x"]), linestyle=":", color=a["color"], label=f"{a['name']} (no speculation)")
     concs = sorted({x["concurrency"] for s in doc["servers"] for x in s["levels"]})
     for ax, yl in ((ax1, "output tokens/s"), (ax2, "mean acceptance length (tokens/round)")):
         ax.set_xscale("log", base=2)
@@ -348,7 +366,8 @@ def plot(doc: dict, path: Path | str, title: str | None = None) -> Path:
         ax.set_xlabel("concurrency")
         ax.set_ylabel(yl)
         ax.grid(True, alpha=0.3)
-    ax2.legend(fontsize=7, loc="best")
+    ax2.legend(fontsize=7, loc="best", title=("not measured: " + ", ".join(unmeasured)) if unmeasured else None,
+               title_fontsize=7)
     if title:
         fig.suptitle(title)
     fig.tight_layout()
