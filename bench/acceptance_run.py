@@ -287,7 +287,9 @@ def main() -> int:
     ap.add_argument("--concurrency", default="1,4,16,32")
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--requests", type=int, default=None, help="requests per level (default max(8, 2 x concurrency))")
+    ap.add_argument("--requests", type=int, default=None, help="requests per level (default max(8, WAVES x concurrency))")
+    ap.add_argument("--waves", type=int, default=2, help="requests per level in multiples of the concurrency (at least 8 "
+                    "requests); 2 left c >= 16 levels 10 %% apart between runs, 4 or more average that out")
     ap.add_argument("--backend", default="triton")
     ap.add_argument("--pin", default="0.5.13.post1", choices=sorted(COMMON_BY_PIN),
                     help="the SGLang version installed (picks the common server flags)")
@@ -315,6 +317,8 @@ def main() -> int:
     budgets = parse_budgets(a.budgets)
     temps = [float(x) for x in a.temperatures.split(",") if x]
     levels = B.parse_concurrency(a.concurrency)
+    if a.waves < 1:
+        raise SystemExit(f"--waves: {a.waves}: give 1 or more (requests per level = max(8, waves x concurrency))")
     cfgs = configs(budgets)
     without = {x.strip() for x in a.without.split(",") if x.strip()}
     if "plain" in without or without - {n for n, _ in cfgs}:
@@ -426,7 +430,7 @@ def main() -> int:
                     if time.time() > deadline:
                         skipped.append(f"{s.name} T={t:g} c={c}")
                         continue
-                    r.levels.append(B.run_level(s.url, prompts, c, B.requests_for(c, a.requests), samp))
+                    r.levels.append(B.run_level(s.url, prompts, c, B.requests_for(c, a.requests, a.waves), samp))
                     lv = r.levels[-1]
                     chosen = None
                     if is_auto:  # which options the controller ran at this level

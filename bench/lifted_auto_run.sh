@@ -10,7 +10,8 @@
 # plain + auto only, so DFLASH and b15 run there only on a card of more than 100 GB.
 # Environment: BUDGETS (e.g. 63 or 255,auto+off) and WITHOUT (e.g. DFLASH, or "" for none) replace
 # that choice; F32=0 skips the float32 exactness run (it needs the 0.5.13.post1 pin to pass: 0.5.16's
-# sgl_kernel RMSNorm has no float32 path); CONC (default 1,4,16,32,64) the concurrencies.
+# sgl_kernel RMSNorm has no float32 path); CONC (default 1,4,16,32,64) the concurrencies; WAVES (default 2)
+# the requests per level in multiples of the concurrency (4 halves the run-to-run spread at c >= 16).
 # PIN=0.5.13.post1 (carry that pin's site and overlay instead) runs the v1 worker with its own
 # graph flags; its default budgets are 63 with plain and DFLASH (auto is a 0.5.16 feature).
 set -uo pipefail
@@ -43,7 +44,7 @@ if [ "${F32:-1}" != 0 ]; then
   f32=$!
 fi
 python3 "$here/acceptance_run.py" --out "$out/acc" --pin "$pin" --pair /tmp/lifted --concurrency "$conc" \
-  --budgets "$budgets" "${without[@]}" --ddtree-first --phase-times --budget-s "$budget_s" \
+  --budgets "$budgets" "${without[@]}" --waves "${WAVES:-2}" --ddtree-first --phase-times --budget-s "$budget_s" \
   --common "$common --max-total-tokens 24576 $graph_bs 64 --max-running-requests 64" 2>&1 \
   | grep -v "start \|^\s*$" | tail -40
 rc=${PIPESTATUS[0]}

@@ -222,3 +222,24 @@ def test_acceptance_run_refuses_a_bad_without_before_touching_anything(tmp_path)
         assert f"--without: {shown}: name configurations of this run other than plain (DFLASH, DDTREE auto+off)" in r.stderr
         assert not out.exists()
         assert (logs / "DFLASH.log").read_text() == "an earlier run's log\n"
+
+
+def test_acceptance_run_waves_set_the_requests_per_level_and_a_bad_value_changes_nothing(tmp_path):
+    """--waves W sends max(8, W x c) requests a level (2, the default, left c >= 16 levels a few
+    seconds long and two runs of them 10 % apart); --requests still overrides it. A value below 1
+    is refused before the run creates its output folder."""
+    import sys
+
+    from ddtree_deploy.deploy.remote import bench as B
+
+    assert [B.requests_for(c, None) for c in (1, 4, 16, 64)] == [8, 8, 32, 128]
+    assert [B.requests_for(c, None, 4) for c in (1, 4, 16, 64)] == [8, 16, 64, 256]
+    assert B.requests_for(64, 10, 4) == 10
+    with pytest.raises(ValueError):
+        B.requests_for(16, None, 0)
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, str(root / "bench" / "acceptance_run.py"), "--out", str(out), "--waves", "0",
+                        "--log-dir", str(tmp_path / "logs")], capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 1 and "--waves: 0: give 1 or more" in r.stderr, r.stderr[-2000:]
+    assert not out.exists()
