@@ -289,7 +289,7 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--requests", type=int, default=None, help="requests per level (default max(8, WAVES x concurrency))")
     ap.add_argument("--waves", type=int, default=2, help="requests per level in multiples of the concurrency (at least 8 "
-                    "requests); 2 left c >= 16 levels 10 %% apart between runs, 4 or more average that out")
+                    "requests); 2 left two runs of a c >= 16 level up to 11 %% apart")
     ap.add_argument("--backend", default="triton")
     ap.add_argument("--pin", default="0.5.13.post1", choices=sorted(COMMON_BY_PIN),
                     help="the SGLang version installed (picks the common server flags)")

@@ -11,7 +11,7 @@
 # Environment: BUDGETS (e.g. 63 or 255,auto+off) and WITHOUT (e.g. DFLASH, or "" for none) replace
 # that choice; F32=0 skips the float32 exactness run (it needs the 0.5.13.post1 pin to pass: 0.5.16's
 # sgl_kernel RMSNorm has no float32 path); CONC (default 1,4,16,32,64) the concurrencies; WAVES (default 2)
-# the requests per level in multiples of the concurrency (4 halves the run-to-run spread at c >= 16).
+# the requests per level in multiples of the concurrency (2 left two runs of a c >= 16 level up to 11 % apart).
 # PIN=0.5.13.post1 (carry that pin's site and overlay instead) runs the v1 worker with its own
 # graph flags; its default budgets are 63 with plain and DFLASH (auto is a 0.5.16 feature).
 set -uo pipefail

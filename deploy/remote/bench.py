@@ -294,7 +294,7 @@ def bench_server(target: str, label: str, url: str, prompts: list[dict], levels:
 def requests_for(concurrency: int, n_requests: int | None, waves: int = 2) -> int:
     """Requests sent at a level: ``--requests`` if given, else ``waves`` x concurrency (at least
     8). Two waves leave a speculative level at c >= 16 a few seconds long, and two runs of it
-    10 % apart (docs/TESTING.md, thirteenth session); more waves average that out."""
+    11 % apart (docs/TESTING.md, thirteenth session); more waves give more of each."""
     if waves < 1:
         raise ValueError(f"waves must be >= 1, got {waves}")
     return n_requests if n_requests else max(8, waves * concurrency)
