@@ -14,11 +14,13 @@ expected numbers from the same parameters.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import math
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 
 class FakeSGLang:
@@ -33,6 +35,9 @@ class FakeSGLang:
         self.in_flight = 0
         self.max_in_flight = 0
         self.server: ThreadingHTTPServer | None = None
+        self.profile: dict | None = None  # /start_profile's body while "profiling"
+        self.profile_steps = 0
+        self.profiles_written = 0
 
     def rounds_for(self, completion: int) -> int:
         """Verify rounds for a request: the prefill gives 1 token, each round commits `accept`."""
@@ -81,10 +86,53 @@ class FakeSGLang:
             with self.lock:
                 self.total_tokens += n * len(prompts)
                 self.total_rounds += rounds * len(prompts)
+                if self.profile is not None:
+                    self.profile_steps += rounds + 1
+                    if self.profile_steps >= int(self.profile.get("num_steps") or 1):
+                        self._write_trace(self.profile)
+                        self.profile = None
             return 200, outs if batch else outs[0]
         finally:
             with self.lock:
                 self.in_flight -= 1
+
+    # The trace a profiled step leaves (a stand-in for SGLang's Kineto trace, no GPU here): per
+    # step a TRACE_BUSY_US kernel, the host in an "accept" frame for TRACE_ACCEPT_US while the GPU
+    # waits, then a TRACE_SHORT_US kernel it launches 10 us later, and a TRACE_TAIL_US wait for the
+    # next step's launch (the four add up to TRACE_STEP_US).
+    TRACE_STEP_US, TRACE_BUSY_US, TRACE_ACCEPT_US, TRACE_SHORT_US, TRACE_TAIL_US = 1000.0, 700.0, 250.0, 30.0, 10.0
+
+    def start_profile(self, body: dict) -> dict:
+        with self.lock:
+            self.profile, self.profile_steps = dict(body), 0
+        return {"success": True, "message": "Start profiling."}
+
+    def _write_trace(self, body: dict) -> None:
+        steps = int(body.get("num_steps") or 1)
+        step, busy, accept, short = self.TRACE_STEP_US, self.TRACE_BUSY_US, self.TRACE_ACCEPT_US, self.TRACE_SHORT_US
+        assert busy + accept + 10.0 + short + self.TRACE_TAIL_US == step
+        host = {"pid": 100, "tid": 101}
+        ev = [{"ph": "X", "cat": "python_function", "name": "scheduler.py(10): event_loop", "ts": -50.0,
+               "dur": steps * step + 100.0, **host}]
+        for i in range(steps):
+            t = i * step
+            launch2 = t + busy + accept + 5.0
+            ev += [
+                {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": t - 5.0, "dur": 2.0, **host,
+                 "args": {"correlation": 2 * i + 1}},
+                {"ph": "X", "cat": "kernel", "name": "verify", "pid": 0, "tid": 7, "ts": t, "dur": busy,
+                 "args": {"correlation": 2 * i + 1}},
+                {"ph": "X", "cat": "python_function", "name": "worker.py(20): accept", "ts": t + busy, "dur": accept, **host},
+                {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": launch2, "dur": 2.0, **host,
+                 "args": {"correlation": 2 * i + 2}},
+                {"ph": "X", "cat": "kernel", "name": "commit", "pid": 0, "tid": 7, "ts": launch2 + 5.0,
+                 "dur": short, "args": {"correlation": 2 * i + 2}},
+            ]
+        folder = Path(body["output_dir"])
+        folder.mkdir(parents=True, exist_ok=True)
+        self.profiles_written += 1
+        with gzip.open(folder / f"fake-{self.profiles_written}-TP-0.trace.json.gz", "wt") as f:
+            json.dump({"traceEvents": ev}, f)
 
     def serve(self, port: int = 0) -> int:
         fake = self
@@ -110,6 +158,10 @@ class FakeSGLang:
                     self._send(404, {"detail": "Not Found"})
 
             def do_POST(self):
+                if self.path == "/start_profile":
+                    body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+                    self._send(200, fake.start_profile(body))
+                    return
                 if self.path != "/generate":
                     self._send(404, {"detail": "Not Found"})
                     return

@@ -243,3 +243,14 @@ def test_acceptance_run_waves_set_the_requests_per_level_and_a_bad_value_changes
                         "--log-dir", str(tmp_path / "logs")], capture_output=True, text=True, timeout=120, check=False)
     assert r.returncode == 1 and "--waves: 0: give 1 or more" in r.stderr, r.stderr[-2000:]
     assert not out.exists()
+
+
+def test_device_shell_scripts_parse():
+    """The device scripts run only on the GPU machine, where a syntax error costs a whole call:
+    every bench/ and tests/gpu/ shell script (and the sourced bench/lifted_setup.sh) parses."""
+    root = Path(__file__).resolve().parents[1]
+    scripts = sorted([*root.glob("bench/*.sh"), *root.glob("tests/gpu/*.sh")])
+    assert any(p.name == "lifted_setup.sh" for p in scripts) and len(scripts) >= 6
+    for p in scripts:
+        r = subprocess.run(["bash", "-n", str(p)], capture_output=True, text=True, check=False)
+        assert r.returncode == 0, f"{p.name}: {r.stderr}"

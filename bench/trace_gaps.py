@@ -1,0 +1,237 @@
+#!/usr/bin/env python3
+"""Where a serving round's time goes: GPU busy time, the gaps in which the GPU waited, and what the
+host was doing in them, from a PyTorch profiler (Kineto) Chrome trace.
+
+A round costs its GPU work plus the time the GPU sits idle between kernels. Idle time on the
+GPU with the host still busy is per-round overhead that a faster host path (fewer launches, a
+captured graph, no sync) removes; idle time with the host blocked in a synchronize is a sync.
+This tool finds every gap between the GPU's kernels / copies (all streams merged), the launch that
+ended it (by CUPTI correlation id), and the host Python frames on the launching thread during the
+gap, and sums them per frame:
+
+- ``leaf``: per innermost frame (where the host's time in gaps went, each microsecond once);
+- ``inclusive``: per frame anywhere on the stack (what a whole step, e.g. the scheduler's result
+  processing or the worker's accept, cost the GPU in idle time).
+
+It also sums GPU time per kernel name (what the GPU itself spent the round on). Traces need
+``with_stack`` for Python frames (SGLang: ``/start_profile`` with ``"with_stack": true``);
+without them the gaps are still found and attributed to the CUDA API call that ended them.
+
+    python3 bench/trace_gaps.py TRACE.json[.gz] [--steps N] [--top 25] [--json]
+
+Pure Python, no torch: it runs where the trace is read (the GPU machine, or here on a copy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import gzip
+import itertools
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
+FRAME_CAT = "python_function"
+
+
+def load(path: str | Path) -> list[dict]:
+    """The complete ("X") events of a Chrome trace file (``.json`` or ``.json.gz``)."""
+    p = Path(path)
+    opener = gzip.open if p.suffix == ".gz" else open
+    with opener(p, "rt") as f:
+        doc = json.load(f)
+    events = doc["traceEvents"] if isinstance(doc, dict) else doc
+    return [e for e in events if isinstance(e, dict) and e.get("ph") == "X" and "ts" in e]
+
+
+def _interval(e: dict) -> tuple[float, float]:
+    t = float(e["ts"])
+    return t, t + float(e.get("dur", 0.0))
+
+
+def gpu_gaps(gpu: list[dict], min_gap_us: float) -> tuple[list[tuple[float, float, dict]], float, float, float]:
+    """Merge the GPU events' intervals (every stream together). Returns (gaps as (start, end,
+    the event that ended the gap), busy us, first start, last end); gaps shorter than
+    ``min_gap_us`` (a kernel's launch latency) are not gaps."""
+    ev = sorted(gpu, key=lambda e: float(e["ts"]))
+    gaps: list[tuple[float, float, dict]] = []
+    busy = 0.0
+    start, end = _interval(ev[0])
+    first = start
+    for e in ev[1:]:
+        s, t = _interval(e)
+        if s > end:
+            busy += end - start
+            if s - end >= min_gap_us:
+                gaps.append((end, s, e))
+            start, end = s, t
+        else:
+            end = max(end, t)
+    busy += end - start
+    return gaps, busy, first, end
+
+
+class FrameTimeline:
+    """The Python frames of one host thread: which frame is innermost at a time, and the whole
+    stack there. Frames of one thread nest (a profiler's function events)."""
+
+    def __init__(self, frames: list[dict]):
+        self.frames = sorted(frames, key=lambda e: (float(e["ts"]), -float(e.get("dur", 0.0))))
+        self.starts = [float(e["ts"]) for e in self.frames]
+        self.max_dur = max((float(e.get("dur", 0.0)) for e in self.frames), default=0.0)
+
+    def _overlapping(self, a: float, b: float) -> list[dict]:
+        lo = bisect.bisect_left(self.starts, a - self.max_dur)
+        hi = bisect.bisect_right(self.starts, b)
+        return [e for e in self.frames[lo:hi] if _interval(e)[1] > a and float(e["ts"]) < b]
+
+    def stack_at(self, t: float) -> list[str]:
+        """Frame names containing time t, outermost first."""
+        inside = [e for e in self._overlapping(t, t + 1e-9) if _interval(e)[0] <= t <= _interval(e)[1]]
+        inside.sort(key=lambda e: (float(e["ts"]), -float(e.get("dur", 0.0))))
+        return [e["name"] for e in inside]
+
+    def split(self, a: float, b: float) -> tuple[dict[str, float], dict[str, float]]:
+        """Time of [a, b] per innermost frame (leaf) and per frame on the stack (inclusive)."""
+        evs = self._overlapping(a, b)
+        leaf: dict[str, float] = defaultdict(float)
+        incl: dict[str, float] = defaultdict(float)
+        for e in evs:
+            s, t = _interval(e)
+            incl[e["name"]] += min(b, t) - max(a, s)
+        cuts = sorted({a, b, *(max(a, min(b, x)) for e in evs for x in _interval(e))})
+        for lo, hi in itertools.pairwise(cuts):
+            if hi <= lo:
+                continue
+            mid = 0.5 * (lo + hi)
+            live = [e for e in evs if _interval(e)[0] <= mid < _interval(e)[1]]
+            if live:  # the innermost: the latest start, then the shortest
+                inner = max(live, key=lambda e: (float(e["ts"]), -float(e.get("dur", 0.0))))
+                leaf[inner["name"]] += hi - lo
+            else:
+                leaf["(no Python frame)"] += hi - lo
+        return dict(leaf), dict(incl)
+
+
+def analyse(events: list[dict], min_gap_us: float = 5.0, steps: int | None = None, top: int = 25) -> dict:
+    """The report (times in ms; per step too when ``steps`` is given)."""
+    gpu = [e for e in events if e.get("cat") in GPU_CATS]
+    if not gpu:
+        raise ValueError("no GPU kernel, memcpy or memset events in the trace (a CPU-only profile?)")
+    launches = {}
+    for e in events:
+        if e.get("cat") in LAUNCH_CATS and "correlation" in e.get("args", {}):
+            launches[e["args"]["correlation"]] = e
+    frames_by_thread: dict[tuple, list[dict]] = defaultdict(list)
+    for e in events:
+        if e.get("cat") == FRAME_CAT:
+            frames_by_thread[(e.get("pid"), e.get("tid"))].append(e)
+    timelines = {k: FrameTimeline(v) for k, v in frames_by_thread.items()}
+
+    gaps, busy, first, last = gpu_gaps(gpu, min_gap_us)
+    leaf: dict[str, float] = defaultdict(float)
+    incl: dict[str, float] = defaultdict(float)
+    by_api: dict[str, float] = defaultdict(float)
+    kinds = {"host launched late": 0.0, "launched before the gap (a wait on another stream or event)": 0.0,
+             "no launch found": 0.0}
+    sizes = {"5-20 us": 0, "20-100 us": 0, "0.1-1 ms": 0, ">1 ms": 0}
+    for a, b, ender in gaps:
+        d = b - a
+        sizes["5-20 us" if d < 20 else "20-100 us" if d < 100 else "0.1-1 ms" if d < 1000 else ">1 ms"] += 1
+        launch = launches.get(ender.get("args", {}).get("correlation"))
+        if launch is None:
+            kinds["no launch found"] += d
+            continue
+        by_api[launch["name"]] += d
+        lt = float(launch["ts"])
+        if lt <= a:
+            kinds["launched before the gap (a wait on another stream or event)"] += d
+            continue
+        kinds["host launched late"] += d
+        tl = timelines.get((launch.get("pid"), launch.get("tid")))
+        if tl is None:
+            leaf["(no Python frames: trace without with_stack)"] += d
+            continue
+        # the host's time from the GPU going idle to the launch that ended it
+        lf, inc = tl.split(a, min(b, lt))
+        for k, v in lf.items():
+            leaf[k] += v
+        for k, v in inc.items():
+            incl[k] += v
+
+    kernels: dict[str, float] = defaultdict(float)
+    for e in gpu:
+        kernels[e["name"]] += float(e.get("dur", 0.0))
+
+    def table(d: dict[str, float]) -> list[list]:
+        rows = sorted(d.items(), key=lambda kv: -kv[1])[:top]
+        out = []
+        for k, v in rows:
+            row = [k, round(v / 1e3, 4)]
+            if steps:
+                row.append(round(v / 1e3 / steps, 4))
+            out.append(row)
+        return out
+
+    window = last - first
+    idle = window - busy
+    rep = {
+        "window_ms": round(window / 1e3, 3),
+        "gpu_busy_ms": round(busy / 1e3, 3),
+        "gpu_idle_ms": round(idle / 1e3, 3),
+        "gpu_idle_share": round(idle / window, 4) if window > 0 else 0.0,
+        "gaps": len(gaps),
+        "gap_sizes": sizes,
+        "idle_by_cause_ms": {k: round(v / 1e3, 3) for k, v in kinds.items()},
+        "idle_by_launch_api_ms": table(by_api),
+        "idle_host_leaf_ms": table(leaf),
+        "idle_host_inclusive_ms": table(incl),
+        "gpu_time_by_kernel_ms": table(kernels),
+        "steps": steps,
+    }
+    if steps:
+        rep["per_step_ms"] = {"window": round(window / 1e3 / steps, 4), "gpu_busy": round(busy / 1e3 / steps, 4),
+                              "gpu_idle": round(idle / 1e3 / steps, 4)}
+    return rep
+
+
+def render(rep: dict) -> str:
+    per = rep.get("per_step_ms")
+    head = (f"window {rep['window_ms']} ms: GPU busy {rep['gpu_busy_ms']} ms, idle {rep['gpu_idle_ms']} ms "
+            f"({100 * rep['gpu_idle_share']:.1f} %) in {rep['gaps']} gaps {rep['gap_sizes']}")
+    lines = [head]
+    if per:
+        lines.append(f"per step ({rep['steps']}): window {per['window']} ms, busy {per['gpu_busy']}, idle {per['gpu_idle']}")
+    lines.append(f"idle by cause (ms): {rep['idle_by_cause_ms']}")
+    for key, title in (("idle_host_leaf_ms", "host frames in GPU-idle time (innermost)"),
+                       ("idle_host_inclusive_ms", "host frames in GPU-idle time (inclusive)"),
+                       ("idle_by_launch_api_ms", "the launch that ended a gap"),
+                       ("gpu_time_by_kernel_ms", "GPU time by kernel")):
+        lines.append(f"-- {title}: ms{' | ms per step' if per else ''}")
+        lines.extend("   " + " | ".join(str(x) for x in row[1:]) + f"  {row[0][:140]}" for row in rep[key])
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("trace", type=Path)
+    ap.add_argument("--steps", type=int, default=None, help="decode steps in the trace: adds per-step figures")
+    ap.add_argument("--min-gap-us", type=float, default=5.0)
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--json", action="store_true", help="the report as JSON on stdout")
+    a = ap.parse_args(argv)
+    try:
+        rep = analyse(load(a.trace), a.min_gap_us, a.steps, a.top)
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"trace_gaps: {a.trace}: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(rep, indent=1) if a.json else render(rep))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
