@@ -154,7 +154,7 @@ def test_a_real_host_trace_points_at_the_slow_function(tmp_path):
     path = tmp_path / "trace.json.gz"
     with gzip.open(path, "wt") as f:
         json.dump(doc, f)
-    rep = tg.analyse(tg.load(path), steps=3)
+    rep = tg.analyse(tg.load(path), steps=3, top=10_000)  # under pytest the stack is deep: keep every frame
     incl = {k: v for k, v, _ in rep["idle_host_inclusive_ms"]}
     leaf = {k: v for k, v, _ in rep["idle_host_leaf_ms"]}
     slow_name = slow[0]["name"]

@@ -227,7 +227,7 @@ def test_rounds_at_changing_widths_give_the_targets_greedy_tokens(cycle):
     worker = _worker_stub(rounds)
     root = torch.randint(0, vocab, (bs,), generator=g)
     seqs = [[int(r)] for r in root]
-    ran, waiting, accepted = [], None, 0
+    ran, waiting, accepted, all_sums = [], None, 0, []
     for _ in range(24):
         # draft block hidden states = logits: depth d scores the target's chain token d + noise
         hs = torch.zeros(bs, block, vocab)
@@ -251,8 +251,9 @@ def test_rounds_at_changing_widths_give_the_targets_greedy_tokens(cycle):
             for b, toks in enumerate(_resolve(worker, *waiting[:4])):
                 seqs[b] += toks
         waiting = (out, commit, block, bs, expected.sum(0))
+        all_sums.append(expected.sum(0))
         root = bonus
-    last_sums = waiting[4]
+    assert len(all_sums) == 24
     for b, toks in enumerate(_resolve(worker, *waiting[:4])):
         seqs[b] += toks
     assert accepted > bs  # drafts landed
@@ -264,9 +265,15 @@ def test_rounds_at_changing_widths_give_the_targets_greedy_tokens(cycle):
     assert len(set(ran)) == len(widths) and any(a != b for a, b in itertools.pairwise(ran))
     if cycle:
         assert ran == [widths[i % len(widths)] for i in range(len(ran))]
-    # the controller's estimate is the last round's tree estimate (through the ring)
-    for w, s in zip(widths, last_sums.tolist()):
-        assert rounds.controller.predicted[w] == pytest.approx(s / bs)
+    # the controller's estimate is the rounds' tree estimates (through the ring), pooled over
+    # SMOOTH_REQUESTS requests: the first round's, then a moving average (bs requests a round)
+    want, seen = None, 0
+    for sums in all_sums:
+        seen = min(db.BudgetController.SMOOTH_REQUESTS, seen + bs)
+        now = sums / bs
+        want = now if want is None else want + min(1.0, bs / seen) * (now - want)
+    for w, x in zip(widths, want.tolist()):
+        assert rounds.controller.predicted[w] == pytest.approx(x)
     assert rounds.observed == 24 and rounds.dropped == 0
     snap = rounds.snapshot()
     assert sum(snap["chosen"].values()) == 24 and snap["mode"] == ("cycle" if cycle else "controller")
