@@ -80,6 +80,22 @@ def ddtree_label(budget: int | str) -> str:
     return f"DDTREE b{budget}" if isinstance(budget, int) else f"DDTREE {budget}"
 
 
+def label_parts(name: str) -> tuple[str | None, int | str | None]:
+    """A configuration label's (speculative algorithm, DDTREE budget), the inverse of
+    :func:`configs`' labels: "plain" -> (None, None), "DFLASH" -> ("DFLASH", None),
+    "DDTREE b15" -> ("DDTREE", 15), "DDTREE auto+off" -> ("DDTREE", "auto+off")."""
+    if name == "plain":
+        return None, None
+    algo, _, word = name.partition(" ")
+    if algo != "DDTREE":
+        return algo, None
+    if word[:1] == "b" and word[1:].isdigit():
+        return algo, int(word[1:])
+    if word in AUTO_MODES:
+        return algo, word
+    raise ValueError(f"not a configuration label: {name!r}")
+
+
 def parse_budgets(text: str) -> list[int | str]:
     """--budgets: fixed budgets (integers), "auto" and "auto+off"."""
     out: list[int | str] = []
@@ -107,8 +123,9 @@ def server_env(name: str, phase_times: bool = False) -> dict[str, str]:
     switches, and SGLANG_DDTREE_PHASE_TIMES=1 on every DDTREE server with --phase-times (the
     round's phases in the log; the same few CUDA events a round on every DDTREE server)."""
     env: dict[str, str] = {}
-    if name.startswith("DDTREE "):
-        env.update(AUTO_MODES.get(name.split()[1], {}))
+    algo, budget = label_parts(name)
+    if algo == "DDTREE":
+        env.update(AUTO_MODES.get(budget, {}) if isinstance(budget, str) else {})
         if phase_times:
             env["SGLANG_DDTREE_PHASE_TIMES"] = "1"
     return env
@@ -175,11 +192,9 @@ def attached_mismatch(s: "Server") -> str | None:
     another's name."""
     info = B.server_info(s.url)
     algo, budget = info.get("speculative_algorithm"), info.get("speculative_ddtree_budget")
-    want_algo = None if s.name == "plain" else s.name.split()[0]
-    want_budget: int | str | None = None
-    if s.name.startswith("DDTREE "):
-        word = s.name.split()[1]
-        want_budget = int(word[1:]) if word[1:].isdigit() else "auto" if word in AUTO_MODES else word
+    want_algo, want_budget = label_parts(s.name)
+    if isinstance(want_budget, str):  # auto and auto+off both serve --speculative-ddtree-budget auto
+        want_budget = "auto"
     if algo != want_algo or (want_budget is not None and str(budget) != str(want_budget)):
         return f"port {s.port} serves algorithm {algo} budget {budget}, not {s.name}"
     return None
@@ -375,7 +390,7 @@ def main() -> int:
                     (a.out / "results.json").write_text(json.dumps({"ok": False, "error": f"{s.name}: {why}"}) + "\n")
                     return 2
     elif a.ddtree_first:
-        first = [s for s in servers if s.name.startswith("DDTREE") and s.proc is None]
+        first = [s for s in servers if label_parts(s.name)[0] == "DDTREE" and s.proc is None]
         for s in first:
             s.start()
         wait_ready(first, min(deadline, time.time() + 300))
@@ -424,7 +439,7 @@ def main() -> int:
                     for c in levels:
                         if time.time() < deadline:
                             B.run_level(s.url, prompts, c, c, warm)
-                is_auto = s.name.split()[-1] in AUTO_MODES
+                is_auto = isinstance(label_parts(s.name)[1], str)
                 snap = auto_snapshot(s.url) if is_auto else None
                 for c in levels:
                     if time.time() > deadline:
@@ -452,7 +467,7 @@ def main() -> int:
             "driver": "bench/acceptance_run.py", "dtype": a.dtype, "temperatures": temps, "concurrency": levels,
             "offline": offline, "exactness_vs_first": exact, "skipped": skipped,
             "startup_s": {s.name: s.startup_s for s in servers}, "server_errors": {s.name: s.error for s in servers if s.error},
-            "verify_limits": {s.name: s.verify_limit() for s in servers if s.name.startswith("DDTREE")},
+            "verify_limits": {s.name: s.verify_limit() for s in servers if label_parts(s.name)[0] == "DDTREE"},
             "server_cmds": {s.name: "attached: started by an earlier run" if s.attached else " ".join(s.cmd) for s in servers},
             "server_env": {s.name: s.env for s in servers if s.env},
             "auto_rounds_per_level": auto_levels, "auto_snapshot": auto_final,

@@ -177,6 +177,11 @@ def test_acceptance_run_takes_auto_beside_fixed_budgets_and_checks_it_on_attach(
     assert ar.configs(["auto+off"])[-1][1].endswith("--speculative-ddtree-budget auto")
     with pytest.raises(SystemExit, match="neither an integer nor one of auto, auto"):
         ar.parse_budgets("15,big")
+    # every label configs() makes parses back into its algorithm and budget, one rule for all uses
+    assert [ar.label_parts(n) for n in names] == [(None, None), ("DFLASH", None), ("DDTREE", 15), ("DDTREE", "auto"),
+                                                  ("DDTREE", "auto+off")]
+    with pytest.raises(ValueError, match="not a configuration label"):
+        ar.label_parts("DDTREE big")
     # the server environment: off rounds only for auto+off, phase times on every DDTREE server
     assert ar.server_env("DDTREE auto+off") == {"SGLANG_DDTREE_AUTO_OFF": "1"}
     assert ar.server_env("DDTREE auto") == {} and ar.server_env("plain", phase_times=True) == {}
