@@ -76,44 +76,71 @@ def gpu_gaps(gpu: list[dict], min_gap_us: float) -> tuple[list[tuple[float, floa
 
 
 class FrameTimeline:
-    """The Python frames of one host thread: which frame is innermost at a time, and the whole
-    stack there. Frames of one thread nest (a profiler's function events)."""
+    """The Python frames of one host thread as a sequence of non-overlapping segments, each with
+    its innermost frame (a parent pointer gives the stack). Built once by a sweep (frames of one
+    thread nest; a frame that overruns its parent is clipped to it); a query of [a, b] then costs
+    a binary search plus the segments inside, so a trace of a million frames and thousands of
+    gaps stays fast (a whole-trace outer frame, like the scheduler's event loop, is one segment
+    boundary, not a scan)."""
+
+    NONE = "(no Python frame)"
 
     def __init__(self, frames: list[dict]):
-        self.frames = sorted(frames, key=lambda e: (float(e["ts"]), -float(e.get("dur", 0.0))))
-        self.starts = [float(e["ts"]) for e in self.frames]
-        self.max_dur = max((float(e.get("dur", 0.0)) for e in self.frames), default=0.0)
+        frames = sorted(frames, key=lambda e: (float(e["ts"]), -float(e.get("dur", 0.0))))
+        self.names = [e["name"] for e in frames]
+        self.parent = [-1] * len(frames)
+        ends = [0.0] * len(frames)
+        self.seg_start: list[float] = []
+        self.seg_end: list[float] = []
+        self.seg_frame: list[int] = []
+        stack: list[int] = []
+        cur = float(frames[0]["ts"]) if frames else 0.0
 
-    def _overlapping(self, a: float, b: float) -> list[dict]:
-        lo = bisect.bisect_left(self.starts, a - self.max_dur)
-        hi = bisect.bisect_right(self.starts, b)
-        return [e for e in self.frames[lo:hi] if _interval(e)[1] > a and float(e["ts"]) < b]
+        def emit(upto: float) -> None:
+            nonlocal cur
+            if upto > cur:
+                self.seg_start.append(cur)
+                self.seg_end.append(upto)
+                self.seg_frame.append(stack[-1] if stack else -1)
+                cur = upto
 
-    def stack_at(self, t: float) -> list[str]:
-        """Frame names containing time t, outermost first."""
-        inside = [e for e in self._overlapping(t, t + 1e-9) if _interval(e)[0] <= t <= _interval(e)[1]]
-        inside.sort(key=lambda e: (float(e["ts"]), -float(e.get("dur", 0.0))))
-        return [e["name"] for e in inside]
+        for i, e in enumerate(frames):
+            s, t = _interval(e)
+            while stack and ends[stack[-1]] <= s:
+                emit(ends[stack[-1]])
+                stack.pop()
+            emit(s)
+            if stack:
+                self.parent[i] = stack[-1]
+                t = min(t, ends[stack[-1]])
+            ends[i] = t
+            stack.append(i)
+        while stack:
+            emit(ends[stack[-1]])
+            stack.pop()
 
     def split(self, a: float, b: float) -> tuple[dict[str, float], dict[str, float]]:
-        """Time of [a, b] per innermost frame (leaf) and per frame on the stack (inclusive)."""
-        evs = self._overlapping(a, b)
+        """Time of [a, b] per innermost frame (leaf) and per frame name on the stack (inclusive;
+        a name on the stack twice, a recursion, counts once)."""
         leaf: dict[str, float] = defaultdict(float)
         incl: dict[str, float] = defaultdict(float)
-        for e in evs:
-            s, t = _interval(e)
-            incl[e["name"]] += min(b, t) - max(a, s)
-        cuts = sorted({a, b, *(max(a, min(b, x)) for e in evs for x in _interval(e))})
-        for lo, hi in itertools.pairwise(cuts):
-            if hi <= lo:
-                continue
-            mid = 0.5 * (lo + hi)
-            live = [e for e in evs if _interval(e)[0] <= mid < _interval(e)[1]]
-            if live:  # the innermost: the latest start, then the shortest
-                inner = max(live, key=lambda e: (float(e["ts"]), -float(e.get("dur", 0.0))))
-                leaf[inner["name"]] += hi - lo
-            else:
-                leaf["(no Python frame)"] += hi - lo
+        covered = 0.0
+        i = max(0, bisect.bisect_right(self.seg_start, a) - 1)
+        while i < len(self.seg_start) and self.seg_start[i] < b:
+            d = min(b, self.seg_end[i]) - max(a, self.seg_start[i])
+            if d > 0:
+                covered += d
+                j = self.seg_frame[i]
+                leaf[self.names[j] if j >= 0 else self.NONE] += d
+                seen = set()
+                while j >= 0:
+                    if self.names[j] not in seen:
+                        seen.add(self.names[j])
+                        incl[self.names[j]] += d
+                    j = self.parent[j]
+            i += 1
+        if b - a - covered > 1e-9:  # before the first frame or after the last
+            leaf[self.NONE] += b - a - covered
         return dict(leaf), dict(incl)
 
 

@@ -70,13 +70,17 @@ def _oracle(frames, a, b):
 
 @pytest.mark.parametrize("seed", range(12))
 def test_gap_attribution_equals_a_per_microsecond_oracle(seed):
-    """Random nested host frames; kernels with gaps between them, some launched late by the host
-    (attributed to the frames between the GPU going idle and the launch), some launched before
-    the gap (a wait elsewhere: not the host's), one tiny gap under the threshold. Leaf and
+    """Random nested host frames (every other seed inside one outer frame that spans the trace,
+    like the scheduler's event loop); kernels with gaps between them, some launched late by the
+    host (attributed to the frames between the GPU going idle and the launch), some launched
+    before the gap (a wait elsewhere: not the host's), tiny gaps under the threshold. Leaf and
     inclusive times equal the oracle's, in ms."""
     rng = random.Random(seed)
     pid, tid = 11, 12
     frames = _random_frames(rng, 0, 4000, 5, pid, tid, [])
+    if seed % 2:
+        frames.append({"ph": "X", "cat": "python_function", "name": "loop", "pid": pid, "tid": tid, "ts": -10.0,
+                       "dur": 4500.0})
     events = list(frames)
     t, corr = 0.0, 0
     late, early = [], []
