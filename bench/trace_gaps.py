@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import bisect
 import gzip
-import itertools
 import json
 import sys
 from collections import defaultdict
