@@ -27,6 +27,7 @@ import json
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -43,6 +44,14 @@ def _load(name: str):
 ar = _load("acceptance_run")
 tg = _load("trace_gaps")
 B = ar.B
+
+
+def start_profile(url: str, body: dict, timeout: float = 120.0) -> str:
+    """POST /start_profile; SGLang answers in plain text ("Start profiling."), not JSON."""
+    req = urllib.request.Request(url.rstrip("/") + "/start_profile", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return r.read().decode(errors="replace")
 
 
 def newest_trace(folder: Path) -> Path | None:
@@ -73,7 +82,7 @@ def profile_one(s, prompts: list[dict], out: Path, steps: int, max_new: int, tem
     time.sleep(0.5)  # the first request is in decode
     body = {"output_dir": str(folder), "num_steps": steps, "activities": ["CPU", "GPU"], "with_stack": True,
             "record_shapes": False}
-    B._request(s.url, "/start_profile", body, 120.0)
+    start_profile(s.url, body)
     t0, trace, last = time.time(), None, -1
     while time.time() - t0 < timeout_s:  # written once the steps are done; wait until its size settles
         trace = newest_trace(folder)

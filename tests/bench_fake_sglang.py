@@ -102,10 +102,10 @@ class FakeSGLang:
     # next step's launch (the four add up to TRACE_STEP_US).
     TRACE_STEP_US, TRACE_BUSY_US, TRACE_ACCEPT_US, TRACE_SHORT_US, TRACE_TAIL_US = 1000.0, 700.0, 250.0, 30.0, 10.0
 
-    def start_profile(self, body: dict) -> dict:
+    def start_profile(self, body: dict) -> str:
         with self.lock:
             self.profile, self.profile_steps = dict(body), 0
-        return {"success": True, "message": "Start profiling."}
+        return "Start profiling.\n"
 
     def _write_trace(self, body: dict) -> None:
         steps = int(body.get("num_steps") or 1)
@@ -158,9 +158,14 @@ class FakeSGLang:
                     self._send(404, {"detail": "Not Found"})
 
             def do_POST(self):
-                if self.path == "/start_profile":
+                if self.path == "/start_profile":  # SGLang answers in plain text
                     body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
-                    self._send(200, fake.start_profile(body))
+                    data = fake.start_profile(body).encode()
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/plain")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
                     return
                 if self.path != "/generate":
                     self._send(404, {"detail": "Not Found"})
