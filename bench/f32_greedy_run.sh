@@ -33,5 +33,5 @@ if [ "$pin" = 0.5.16 ]; then graph="--cuda-graph-backend-prefill disabled --cuda
 else graph="--disable-piecewise-cuda-graph --cuda-graph-max-bs 8"; fi
 DDTREE_NATIVE_OPS=1 python3 "$here/acceptance_run.py" --out "$out/f32" --pin "$pin" --pair "$small" --budgets 15,63 \
   --exactness-only --dtype float32 --port-base 32000 --log-dir "$out/logs" --budget-s 300 \
-  --common "--skip-tokenizer-init --sampling-backend pytorch --grammar-backend none --mem-fraction-static 0.5 --random-seed 0 $graph --max-total-tokens 8192 --max-running-requests 8" 2>&1 \
+  --common "--skip-tokenizer-init --sampling-backend pytorch --grammar-backend none --mem-fraction-static 0.9 --random-seed 0 $graph --max-total-tokens 8192 --max-running-requests 8" 2>&1 \
   | grep -v "^\s*$" | tail -25
