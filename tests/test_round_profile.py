@@ -64,3 +64,67 @@ def test_bad_arguments_are_refused_before_anything_starts(tmp_path):
                            capture_output=True, text=True, timeout=120, check=False)
         assert r.returncode == 1 and msg in r.stderr, r.stderr[-2000:]
         assert not out.exists() and not (tmp_path / "logs").exists()
+
+
+def test_the_whole_run_against_stand_in_servers(tmp_path):
+    """round_profile.py end to end as the device runs it: servers started as `python -m
+    sglang.launch_server ...` (here a stand-in package on PYTHONPATH that serves
+    tests/bench_fake_sglang.py on the given port, for the flags' speculative algorithm), waited
+    for, profiled one after the other, stopped; a report per configuration and the summary."""
+    import os
+
+    shim = tmp_path / "shim" / "sglang"
+    shim.mkdir(parents=True)
+    (shim / "__init__.py").write_text("")
+    (shim / "launch_server.py").write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})\n"
+        "import bench_fake_sglang as f\n"
+        "argv = sys.argv[1:]\n"
+        "def flag(name, default=None):\n"
+        "    return argv[argv.index(name) + 1] if name in argv else default\n"
+        "budget = flag('--speculative-ddtree-budget')\n"
+        "sys.argv = [sys.argv[0], '--port', flag('--port'), '--round-ms', '0.3']\n"
+        "if flag('--speculative-algorithm'):\n"
+        "    sys.argv += ['--algo', flag('--speculative-algorithm'), '--accept', '4']\n"
+        "if budget and budget.isdigit():\n"
+        "    sys.argv += ['--budget', budget]\n"
+        "f.main()\n")
+    pair = tmp_path / "pair"
+    pair.mkdir()
+    (pair / "prompts.jsonl").write_text(json.dumps({"input_ids": [3, 4, 5]}) + "\n")
+    port = _free_port_block(3)
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHONPATH=str(tmp_path / "shim"))
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "round_profile.py"), "--out", str(out), "--pair", str(pair),
+                        "--budgets", "63", "--steps", "12", "--max-new-tokens", "16", "--port-base", str(port),
+                        "--log-dir", str(tmp_path / "logs"), "--startup-timeout", "60", "--trace-timeout", "30"],
+                       capture_output=True, text=True, timeout=240, env=env, check=False)
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads((out / "round_profile.json").read_text())
+    assert list(summary) == ["plain", "DFLASH", "DDTREE b63"]
+    for name, rep in summary.items():
+        assert "error" not in rep, (name, rep)
+        assert rep["steps"] == 12 and rep["gaps"] >= 12
+        assert (out / name.replace(" ", "-") / "gaps.json").exists()
+    assert "==== DDTREE b63" in r.stdout and "host frames in GPU-idle time" in r.stdout
+
+
+def _free_port_block(n: int) -> int:
+    """A base port with n free ports after it (the run numbers its servers port-base + i)."""
+    import socket
+
+    for base in range(36100, 60000, 17):
+        socks = []
+        try:
+            for i in range(n):
+                s = socket.socket()
+                s.bind(("127.0.0.1", base + i))
+                socks.append(s)
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free port block")
