@@ -238,6 +238,32 @@ def wait_ready(servers: list[Server], deadline: float) -> None:
         s.error = "not ready before the deadline"
 
 
+def same_run_ratios(doc: dict, group: str) -> list[tuple[str, dict[int, float | None]]]:
+    """Tokens/s ratios of one temperature's levels, all from this run (the goals of issues 27 and
+    28 are same-run ratios): every DDTREE configuration against DFLASH, and each auto
+    configuration against the best fixed one at that concurrency (DFLASH and the fixed DDTREE
+    budgets of the run). None where a level was not measured."""
+    servers = [s for s in doc["servers"] if s.get("group") == group]
+    tps = {s["label"]: {lv["concurrency"]: lv.get("output_tokens_per_s") for lv in s["levels"]} for s in servers}
+    concs = sorted({c for v in tps.values() for c in v})
+    fixed = [n for n in tps if n == "DFLASH" or isinstance(label_parts(n)[1], int)]
+    rows = []
+    for name in tps:
+        algo, budget = label_parts(name)
+        if algo != "DDTREE":
+            continue
+        if "DFLASH" in tps:
+            rows.append((f"{name} / DFLASH", {c: _ratio(tps[name].get(c), tps["DFLASH"].get(c)) for c in concs}))
+        if isinstance(budget, str):
+            best = {c: max((tps[n].get(c) for n in fixed if tps[n].get(c)), default=None) for c in concs}
+            rows.append((f"{name} / best fixed", {c: _ratio(tps[name].get(c), best[c]) for c in concs}))
+    return rows
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 4) if a and b else None
+
+
 def table_md(doc: dict, offline: dict | None, temps: list[float], budgets: list[int | str]) -> str:
     lines = []
     by = {(s["label"], s["group"]): s for s in doc["servers"]}
@@ -261,6 +287,14 @@ def table_md(doc: dict, offline: dict | None, temps: list[float], budgets: list[
                 row += f" {tps / base:.2f}x |" if tps and base else " - |"
             lines.append(row)
         lines.append("")
+        ratios = same_run_ratios(doc, g)
+        if ratios:
+            lines.append(f"Same-run ratios of tokens/s, {g}:\n")
+            lines.append("| ratio |" + "".join(f" c={c} |" for c in concs))
+            lines.append("|---|" + "---|" * len(concs))
+            for name, by_c in ratios:
+                lines.append(f"| {name} |" + "".join(f" {by_c[c]:.2f}x |" if by_c.get(c) else " - |" for c in concs))
+            lines.append("")
     exact = doc.get("exactness_vs_first") or {}
     if exact:
         cells = [f"{k} {sum(v)}/{len(v)}" if isinstance(v, list) else f"{k} {v}" for k, v in exact.items()]

@@ -259,3 +259,29 @@ def test_device_shell_scripts_parse():
     for p in scripts:
         r = subprocess.run(["bash", "-n", str(p)], capture_output=True, text=True, check=False)
         assert r.returncode == 0, f"{p.name}: {r.stderr}"
+
+
+def test_acceptance_run_prints_same_run_ratios_against_dflash_and_the_best_fixed():
+    """The goals of issues 27 and 28 are ratios within one run: each DDTREE configuration against
+    DFLASH, and auto against the best fixed configuration (DFLASH or a fixed budget) at each
+    concurrency. Checked against the ratios computed here from the same synthetic levels; a level
+    not measured gives no ratio."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "acceptance_run.py"
+    spec = importlib.util.spec_from_file_location("acceptance_run_r", path)
+    ar = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ar)
+    tps = {"plain": {1: 150.0, 16: 2200.0}, "DFLASH": {1: 400.0, 16: 2800.0}, "DDTREE b63": {1: 480.0, 16: 2240.0},
+           "DDTREE auto+off": {1: 490.0, 16: None}}
+    doc = {"servers": [{"label": n, "group": "T=0", "levels": [{"concurrency": c, "output_tokens_per_s": v}
+                                                                for c, v in by.items()]} for n, by in tps.items()]}
+    rows = dict(ar.same_run_ratios(doc, "T=0"))
+    assert list(rows) == ["DDTREE b63 / DFLASH", "DDTREE auto+off / DFLASH", "DDTREE auto+off / best fixed"]
+    assert rows["DDTREE b63 / DFLASH"][1] == pytest.approx(480 / 400, abs=1e-4)
+    assert rows["DDTREE b63 / DFLASH"][16] == pytest.approx(2240 / 2800, abs=1e-4)
+    assert rows["DDTREE auto+off / best fixed"][1] == pytest.approx(490 / max(400, 480), abs=1e-4)
+    assert rows["DDTREE auto+off / best fixed"][16] is None and rows["DDTREE auto+off / DFLASH"][16] is None
+    md = ar.table_md(doc, None, [0.0], [63, "auto+off"])
+    assert "| DDTREE b63 / DFLASH | 1.20x | 0.80x |" in md and "| DDTREE auto+off / best fixed | 1.02x | - |" in md
+    assert ar.same_run_ratios(doc, "T=1") == []
