@@ -5,7 +5,8 @@
 # Usage (repo root, on the GPU machine; carry the site, the pair and the overlay as for
 # bench/lifted_auto_run.sh):
 #   bash bench/lifted_profile_run.sh OUT SITE_TAR_XZ PAIR_TAR_XZ OVERLAY_DIR
-# Environment: PIN (default 0.5.16), BUDGETS (default 63), STEPS (default 60), TEMP (default 0).
+# Environment: PIN (default 0.5.16), BUDGETS (default 63), STEPS (default 30: a with_stack trace of the
+# scheduler is large, and SGLang writes it while the server waits), TEMP (default 0).
 set -uo pipefail
 out=${1:?usage: bench/lifted_profile_run.sh OUT SITE_TAR_XZ PAIR_TAR_XZ OVERLAY_DIR}
 site=${2:?}; pair_tar=${3:?}; overlay=${4:?}
@@ -14,5 +15,5 @@ here=$(cd "$(dirname "$0")" && pwd)
 source "$here/lifted_setup.sh"
 lifted_setup "$out" "$site" "$pair_tar" "$overlay" || exit 1
 python3 "$here/round_profile.py" --out "$out/prof" --pin "$pin" --pair /tmp/lifted --budgets "${BUDGETS:-63}" \
-  --steps "${STEPS:-60}" --temperature "${TEMP:-0}" --log-dir /tmp/round-profile-logs \
+  --steps "${STEPS:-30}" --temperature "${TEMP:-0}" --log-dir /tmp/round-profile-logs --trace-timeout 240 \
   --common "$common --max-total-tokens 16384 $graph_bs 8 --max-running-requests 8" 2>&1 | tail -120

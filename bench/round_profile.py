@@ -120,6 +120,7 @@ def main() -> int:
     ap.add_argument("--startup-timeout", type=float, default=300.0)
     ap.add_argument("--trace-timeout", type=float, default=120.0)
     ap.add_argument("--keep-trace-mb", type=float, default=8.0)
+    ap.add_argument("--budget-s", type=float, default=520.0, help="whole-run deadline: servers left are skipped")
     ap.add_argument("--log-dir", type=Path, default=Path("/tmp/round-profile-logs"))
     a = ap.parse_args()
     if a.steps < 1:
@@ -138,6 +139,7 @@ def main() -> int:
     for s in servers:
         s.start()
     results: dict[str, dict] = {}
+    t_start = time.time()
     try:
         t0 = time.time()
         while not all(s.poll_ready() for s in servers) and time.time() - t0 < a.startup_timeout:
@@ -145,6 +147,10 @@ def main() -> int:
         for s in servers:
             if s.startup_s is None:
                 results[s.name] = {"error": s.error or "not ready in time"}
+                continue
+            if time.time() - t_start > a.budget_s:
+                results[s.name] = {"error": f"skipped: past --budget-s {a.budget_s:.0f}"}
+                ar.log(f"{s.name}: {results[s.name]['error']}")
                 continue
             try:
                 rep = profile_one(s, prompts, a.out, a.steps, a.max_new_tokens, a.temperature, a.trace_timeout)
