@@ -96,7 +96,7 @@ def profile_one(s, prompts: list[dict], out: Path, steps: int, max_new: int, tem
     th.join(150)
     if trace is None:
         return {"error": f"no trace in {folder} after {timeout_s:.0f} s"}
-    rep = tg.analyse(tg.load(trace), steps=steps)
+    rep = tg.analyse(tg.load(trace), steps=steps, top=300)  # compare() needs the tables' tails
     rep["trace"] = str(trace)
     rep["requests_during_profile"] = sent[0]
     (folder / "gaps.json").write_text(json.dumps(rep, indent=1))
@@ -173,6 +173,12 @@ def main() -> int:
             if s.logpath.exists():
                 (a.out / s.logpath.name).write_text(s.logpath.read_text(errors="replace")[-200_000:])
     (a.out / "round_profile.json").write_text(json.dumps(results, indent=1))
+    base = results.get("DFLASH", {})
+    for name, rep in results.items():  # each DDTREE configuration minus DFLASH, per step
+        if ar.label_parts(name)[0] == "DDTREE" and "per_step_ms" in rep and "per_step_ms" in base:
+            text = tg.render_compare(tg.compare(rep, base), name, "DFLASH")
+            (a.out / f"compare-{name.replace(' ', '-')}-vs-DFLASH.txt").write_text(text + "\n")
+            print(f"==== {name} vs DFLASH\n{text}", flush=True)
     return 0 if all("error" not in r for r in results.values()) else 1
 
 

@@ -225,7 +225,39 @@ def analyse(events: list[dict], min_gap_us: float = 5.0, steps: int | None = Non
     return rep
 
 
-def render(rep: dict) -> str:
+def compare(a: dict, b: dict, top: int = 20) -> dict:
+    """Per-step differences of two reports with ``steps`` (a minus b, ms per step): the window,
+    GPU busy and idle time, and the kernels and inclusive host frames whose per-step time differs
+    most. Names outside a report's tables count 0 there (analyse with a large ``top`` first)."""
+    if not (a.get("per_step_ms") and b.get("per_step_ms")):
+        raise ValueError("compare needs two reports made with steps")
+    head = {k: round(a["per_step_ms"][k] - b["per_step_ms"][k], 4) for k in ("window", "gpu_busy", "gpu_idle")}
+
+    def diff(key: str) -> list[list]:
+        ta = {row[0]: row[2] for row in a[key]}
+        tb = {row[0]: row[2] for row in b[key]}
+        rows = [[k, round(ta.get(k, 0.0) - tb.get(k, 0.0), 4), ta.get(k, 0.0), tb.get(k, 0.0)] for k in {*ta, *tb}]
+        rows.sort(key=lambda r: (-abs(r[1]), r[0]))
+        return rows[:top]
+
+    return {"per_step_ms_diff": head, "per_step_a": a["per_step_ms"], "per_step_b": b["per_step_ms"],
+            "gpu_time_by_kernel": diff("gpu_time_by_kernel_ms"),
+            "idle_host_inclusive": diff("idle_host_inclusive_ms")}
+
+
+def render_compare(cmp: dict, name_a: str, name_b: str) -> str:
+    a, b, d = cmp["per_step_a"], cmp["per_step_b"], cmp["per_step_ms_diff"]
+    lines = [f"{name_a} minus {name_b}, ms per step:",
+             f"   window {a['window']} - {b['window']} = {d['window']:+.4f}",
+             f"   GPU busy {a['gpu_busy']} - {b['gpu_busy']} = {d['gpu_busy']:+.4f}",
+             f"   GPU idle {a['gpu_idle']} - {b['gpu_idle']} = {d['gpu_idle']:+.4f}"]
+    for key, title in (("gpu_time_by_kernel", "GPU time by kernel"), ("idle_host_inclusive", "host frames in GPU-idle time")):
+        lines.append(f"-- {title} (difference | {name_a} | {name_b}), ms per step")
+        lines.extend(f"   {r[1]:+.4f} | {r[2]} | {r[3]}  {r[0][:140]}" for r in cmp[key])
+    return "\n".join(lines)
+
+
+def render(rep: dict, top: int = 25) -> str:
     per = rep.get("per_step_ms")
     head = (f"window {rep['window_ms']} ms: GPU busy {rep['gpu_busy_ms']} ms, idle {rep['gpu_idle_ms']} ms "
             f"({100 * rep['gpu_idle_share']:.1f} %) in {rep['gaps']} gaps {rep['gap_sizes']}")
@@ -238,18 +270,28 @@ def render(rep: dict) -> str:
                        ("idle_by_launch_api_ms", "the launch that ended a gap"),
                        ("gpu_time_by_kernel_ms", "GPU time by kernel")):
         lines.append(f"-- {title}: ms{' | ms per step' if per else ''}")
-        lines.extend("   " + " | ".join(str(x) for x in row[1:]) + f"  {row[0][:140]}" for row in rep[key])
+        lines.extend("   " + " | ".join(str(x) for x in row[1:]) + f"  {row[0][:140]}" for row in rep[key][:top])
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("trace", type=Path)
+    ap.add_argument("trace", type=Path, help="a trace, or with --compare the first report (gaps.json)")
+    ap.add_argument("--compare", type=Path, default=None, metavar="GAPS_JSON",
+                    help="print TRACE's report (a gaps.json) minus this one's, per step")
     ap.add_argument("--steps", type=int, default=None, help="decode steps in the trace: adds per-step figures")
     ap.add_argument("--min-gap-us", type=float, default=5.0)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--json", action="store_true", help="the report as JSON on stdout")
     a = ap.parse_args(argv)
+    if a.compare is not None:
+        try:
+            ra, rb = (json.loads(Path(x).read_text()) for x in (a.trace, a.compare))
+            print(render_compare(compare(ra, rb, a.top), a.trace.parent.name, a.compare.parent.name))
+        except (OSError, ValueError, KeyError) as exc:
+            print(f"trace_gaps: --compare: {exc}", file=sys.stderr)
+            return 2
+        return 0
     try:
         rep = analyse(load(a.trace), a.min_gap_us, a.steps, a.top)
     except (OSError, ValueError, KeyError) as exc:

@@ -108,6 +108,10 @@ def test_the_whole_run_against_stand_in_servers(tmp_path):
         assert rep["steps"] == 12 and rep["gaps"] >= 12
         assert (out / name.replace(" ", "-") / "gaps.json").exists()
     assert "==== DDTREE b63" in r.stdout and "host frames in GPU-idle time" in r.stdout
+    # each DDTREE configuration minus DFLASH, per step (the stand-ins write the same trace: 0)
+    text = (out / "compare-DDTREE-b63-vs-DFLASH.txt").read_text()
+    assert "DDTREE b63 minus DFLASH, ms per step:" in text and "= +0.0000" in text
+    assert "==== DDTREE b63 vs DFLASH" in r.stdout
 
 
 def _free_port_block(n: int) -> int:

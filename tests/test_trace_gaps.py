@@ -177,3 +177,50 @@ def test_a_trace_without_gpu_events_is_a_clear_error(tmp_path, capsys):
     assert tg.main([str(p)]) == 2
     assert "no GPU kernel, memcpy or memset events" in capsys.readouterr().err
     assert tg.main([str(tmp_path / "missing.json")]) == 2
+
+
+def _steps_trace(steps, kernels, accept_us, step_us=2000.0):
+    """Per step: the kernels back to back ((name, us) in order), then the host in an "accept"
+    frame for accept_us while the GPU waits, then the next step's first kernel."""
+    pid, tid = 5, 6
+    ev = [{"ph": "X", "cat": "python_function", "name": "loop", "pid": pid, "tid": tid, "ts": -5.0,
+           "dur": steps * step_us + 10.0}]
+    corr = 0
+    for i in range(steps):
+        t = i * step_us
+        for name, us in kernels:
+            corr += 1
+            ev += [_launch(t - 1.0, corr, pid, tid), _kernel(name, t, us, corr)]
+            t += us
+        ev.append({"ph": "X", "cat": "python_function", "name": "accept", "pid": pid, "tid": tid, "ts": t,
+                   "dur": accept_us})
+        # the next step's kernels start at (i + 1) * step_us: the GPU idles from t, the host in accept
+    return ev
+
+
+def test_compare_gives_per_step_differences_of_kernels_and_idle_frames(tmp_path, capsys):
+    """Two configurations' reports (steps given): a's extra tree kernel and longer verify, and its
+    longer accept while the GPU waits, come out as the per-step differences the traces were built
+    with; the CLI prints the same from two gaps.json files."""
+    steps = 6
+    a = tg.analyse(_steps_trace(steps, [("draft", 300.0), ("tree", 80.0), ("verify", 900.0)], 400.0), steps=steps,
+                   top=100)
+    b = tg.analyse(_steps_trace(steps, [("draft", 300.0), ("verify", 850.0)], 150.0), steps=steps, top=100)
+    cmp = tg.compare(a, b)
+    kern = {r[0]: r[1] for r in cmp["gpu_time_by_kernel"]}
+    assert kern["tree"] == pytest.approx(0.080, abs=1e-4)
+    assert kern["verify"] == pytest.approx(0.050, abs=1e-4)
+    assert kern.get("draft", 0.0) == pytest.approx(0.0, abs=1e-4)
+    idle = {r[0]: r[1] for r in cmp["idle_host_inclusive"]}
+    # steps - 1 gaps in the window (the last step's wait is after its last kernel), 250 us more each
+    assert idle["accept"] == pytest.approx(0.250 * (steps - 1) / steps, abs=1e-4)
+    assert cmp["per_step_ms_diff"]["gpu_busy"] == pytest.approx(0.130, abs=1e-3)
+    assert cmp["gpu_time_by_kernel"][0][0] == "tree"  # the largest difference first
+    for name, rep in (("a", a), ("b", b)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "gaps.json").write_text(json.dumps(rep))
+    assert tg.main([str(tmp_path / "a" / "gaps.json"), "--compare", str(tmp_path / "b" / "gaps.json")]) == 0
+    out = capsys.readouterr().out
+    assert "a minus b, ms per step:" in out and "+0.0800" in out
+    with pytest.raises(ValueError, match="two reports made with steps"):
+        tg.compare(tg.analyse(_steps_trace(2, [("k", 10.0)], 50.0)), b)
