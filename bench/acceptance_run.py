@@ -337,6 +337,10 @@ def main() -> int:
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--requests", type=int, default=None, help="requests per level (default max(8, WAVES x concurrency))")
+    ap.add_argument("--order", choices=("temps-first", "conc-first"), default="temps-first",
+                    help="temps-first: each server's levels at one temperature, then the next (a deadline "
+                    "drops the last servers' T = 1); conc-first: every server and temperature at one "
+                    "concurrency, then the next (a deadline drops the highest concurrencies)")
     ap.add_argument("--waves", type=int, default=2, help="requests per level in multiples of the concurrency (at least 8 "
                     "requests); 2 left two runs of a c >= 16 level up to 11 %% apart")
     ap.add_argument("--backend", default="triton")
@@ -458,45 +462,65 @@ def main() -> int:
             except Exception as exc:
                 exact[s.name] = f"error: {exc}"
         log(f"greedy outputs equal to the first server's ({live[0].name if live else '-'}): {exact}")
-        results: list[B.ServerResult] = []
         skipped: list[str] = []
         auto_levels: dict = {}  # auto servers: {name: {T: {c: rounds per option}}}
         auto_final: dict = {}  # auto servers: {name: {T: the controller's snapshot after the levels}}
-        for t in temps:
-            samp = B.Sampling(max_new_tokens=a.max_new_tokens, temperature=t)
-            for s in servers:
-                if s.startup_s is None:
-                    continue
-                r = B.ServerResult(target=s.url, label=s.name, url=s.url, group=f"T={t:g}")
-                if not a.no_warm_levels:  # untimed: each batch size's first use pays one-time costs
+        blocks = [(t, s) for t in temps for s in servers if s.startup_s is not None]  # results' order
+        if a.order == "temps-first":  # each server's levels at one temperature, then the next
+            schedule = [(t, s, c) for t, s in blocks for c in levels]
+        else:  # conc-first: every server and temperature at c, then the next c (a deadline cuts high c)
+            schedule = [(t, s, c) for c in levels for t, s in blocks]
+        runs = {(t, s.name): B.ServerResult(target=s.url, label=s.name, url=s.url, group=f"T={t:g}")
+                for t, s in blocks}
+        snaps: dict = {}
+        warmed: set = set()
+        done: set = set()
+
+        def finish(t: float, s: "Server") -> None:  # a block's last level: its server info and snapshot
+            key = (t, s.name)
+            if key in done:
+                return
+            done.add(key)
+            if isinstance(label_parts(s.name)[1], str):
+                auto_final.setdefault(s.name, {})[f"T={t:g}"] = snaps.get(key)
+            try:
+                runs[key].server = B.server_info(s.url)
+            except Exception as exc:  # a server that died mid-run: its levels carry the errors
+                s.error = s.error or f"server_info failed: {exc}"
+
+        for t, s, c in schedule:
+            key, is_auto = (t, s.name), isinstance(label_parts(s.name)[1], str)
+            if key not in warmed:  # untimed: each batch size's first use pays one-time costs
+                warmed.add(key)
+                if not a.no_warm_levels:
                     warm = B.Sampling(max_new_tokens=16, temperature=t)
-                    for c in levels:
+                    for wc in levels:
                         if time.time() < deadline:
-                            B.run_level(s.url, prompts, c, c, warm)
-                is_auto = isinstance(label_parts(s.name)[1], str)
-                snap = auto_snapshot(s.url) if is_auto else None
-                for c in levels:
-                    if time.time() > deadline:
-                        skipped.append(f"{s.name} T={t:g} c={c}")
-                        continue
-                    r.levels.append(B.run_level(s.url, prompts, c, B.requests_for(c, a.requests, a.waves), samp))
-                    lv = r.levels[-1]
-                    chosen = None
-                    if is_auto:  # which options the controller ran at this level
-                        after = auto_snapshot(s.url)
-                        chosen = chosen_between(snap, after)
-                        auto_levels.setdefault(s.name, {}).setdefault(f"T={t:g}", {})[str(c)] = chosen
-                        snap = after
-                    log(f"{s.name} T={t:g} c={c}: {lv.output_tokens_per_s} tok/s, accept {lv.accept_length}, "
-                        f"round {lv.per_round_ms} ms, p50 {lv.latency_p50_ms} ms, errors {len(lv.errors)}"
-                        + (f", rounds per option {chosen}" if is_auto else ""))
+                            B.run_level(s.url, prompts, wc, wc, warm)
                 if is_auto:
-                    auto_final.setdefault(s.name, {})[f"T={t:g}"] = snap
-                try:
-                    r.server = B.server_info(s.url)
-                except Exception as exc:  # a server that died mid-run: its levels carry the errors
-                    s.error = s.error or f"server_info failed: {exc}"
-                results.append(r)
+                    snaps[key] = auto_snapshot(s.url)
+            if time.time() > deadline:
+                skipped.append(f"{s.name} T={t:g} c={c}")
+            else:
+                samp = B.Sampling(max_new_tokens=a.max_new_tokens, temperature=t)
+                if is_auto and a.order != "temps-first":  # the other temperature's levels ran since
+                    snaps[key] = auto_snapshot(s.url)
+                runs[key].levels.append(B.run_level(s.url, prompts, c, B.requests_for(c, a.requests, a.waves), samp))
+                lv = runs[key].levels[-1]
+                chosen = None
+                if is_auto:  # which options the controller ran at this level
+                    after = auto_snapshot(s.url)
+                    chosen = chosen_between(snaps[key], after)
+                    auto_levels.setdefault(s.name, {}).setdefault(f"T={t:g}", {})[str(c)] = chosen
+                    snaps[key] = after
+                log(f"{s.name} T={t:g} c={c}: {lv.output_tokens_per_s} tok/s, accept {lv.accept_length}, "
+                    f"round {lv.per_round_ms} ms, p50 {lv.latency_p50_ms} ms, errors {len(lv.errors)}"
+                    + (f", rounds per option {chosen}" if is_auto else ""))
+            if c == levels[-1]:
+                finish(t, s)
+        for t, s in blocks:
+            finish(t, s)
+        results: list[B.ServerResult] = [runs[(t, s.name)] for t, s in blocks]
         doc = B.report(results, B.Sampling(max_new_tokens=a.max_new_tokens), {
             "driver": "bench/acceptance_run.py", "dtype": a.dtype, "temperatures": temps, "concurrency": levels,
             "offline": offline, "exactness_vs_first": exact, "skipped": skipped,

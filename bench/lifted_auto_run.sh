@@ -10,7 +10,9 @@
 # plain + auto only, so DFLASH and b15 run there only on a card of more than 100 GB.
 # Environment: BUDGETS (e.g. 63 or 255,auto+off) and WITHOUT (e.g. DFLASH, or "" for none) replace
 # that choice; CONC (default 1,4,16,32,64) the concurrencies; WAVES (default 2)
-# the requests per level in multiples of the concurrency (2 left two runs of a c >= 16 level up to 11 % apart).
+# the requests per level in multiples of the concurrency (2 left two runs of a c >= 16 level up to 11 % apart);
+# ORDER=conc-first measures every server and temperature at c = 1 first, so a deadline drops high c
+# (temps-first, the default, keeps auto's controller on one temperature for all its levels).
 # PIN=0.5.13.post1 (carry that pin's site and overlay instead) runs the v1 worker with its own
 # graph flags; its default budgets are 63 with plain and DFLASH (auto is a 0.5.16 feature).
 set -uo pipefail
@@ -27,7 +29,7 @@ elif [ "$mem" -gt 100000 ]; then budgets=15,auto+off; without=(); else budgets=a
 budgets=${BUDGETS:-$budgets}
 if [ -n "${WITHOUT+set}" ]; then without=(); [ -n "$WITHOUT" ] && without=(--without "$WITHOUT"); fi
 python3 "$here/acceptance_run.py" --out "$out/acc" --pin "$pin" --pair /tmp/lifted --concurrency "$conc" \
-  --budgets "$budgets" "${without[@]}" --waves "${WAVES:-2}" --ddtree-first --phase-times --budget-s "$budget_s" \
+  --budgets "$budgets" "${without[@]}" --waves "${WAVES:-2}" --order "${ORDER:-temps-first}" --ddtree-first --phase-times --budget-s "$budget_s" \
   --common "$common --max-total-tokens 24576 $graph_bs 64 --max-running-requests 64" 2>&1 \
   | grep -v "start \|^\s*$" | tail -40
 exit "${PIPESTATUS[0]}"

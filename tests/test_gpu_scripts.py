@@ -285,3 +285,61 @@ def test_acceptance_run_prints_same_run_ratios_against_dflash_and_the_best_fixed
     md = ar.table_md(doc, None, [0.0], [63, "auto+off"])
     assert "| DDTREE b63 / DFLASH | 1.20x | 0.80x |" in md and "| DDTREE auto+off / best fixed | 1.02x | - |" in md
     assert ar.same_run_ratios(doc, "T=1") == []
+
+
+@pytest.mark.parametrize("order", ["temps-first", "conc-first"])
+def test_acceptance_run_orders_its_levels(tmp_path, order):
+    """--order temps-first measures each server's levels at one temperature, then the next;
+    conc-first every server and temperature at one concurrency, then the next, so a deadline
+    drops the highest concurrencies rather than the last servers' T = 1 (the thirteenth session
+    lost b63's T = 1 that way). Either way results.json holds every (server, temperature) with
+    its levels in concurrency order. The servers are TEST DOUBLES (tests/bench_fake_sglang.py,
+    attached at their ports): SGLang needs a GPU."""
+    import json
+    import re
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from bench_fake_sglang import FakeSGLang
+
+    fakes = [FakeSGLang(round_ms=0.2), FakeSGLang("DFLASH", accept=3, round_ms=0.2),
+             FakeSGLang("DDTREE", accept=4, round_ms=0.2, budget=63)]
+    base = None
+    for cand in range(37100, 60000, 7):
+        started = []
+        try:
+            for i, f in enumerate(fakes):
+                f.serve(cand + i)
+                started.append(f)
+            base = cand
+            break
+        except OSError:
+            for f in started:
+                f.stop()
+    assert base is not None
+    try:
+        pair = tmp_path / "pair"
+        pair.mkdir()
+        (pair / "prompts.jsonl").write_text(json.dumps({"input_ids": [5, 6, 7]}) + "\n")
+        out = tmp_path / "out"
+        root = Path(__file__).resolve().parents[1]
+        r = subprocess.run([sys.executable, str(root / "bench" / "acceptance_run.py"), "--out", str(out),
+                            "--pair", str(pair), "--budgets", "63", "--attach", "--port-base", str(base),
+                            "--concurrency", "1,4", "--max-new-tokens", "8", "--order", order,
+                            "--log-dir", str(tmp_path / "logs")], capture_output=True, text=True, timeout=180)
+        assert r.returncode == 0, r.stderr[-3000:]
+    finally:
+        for f in fakes:
+            f.stop()
+    measured = re.findall(r"\] (plain|DFLASH|DDTREE b63) T=(\d) c=(\d+):", r.stderr)
+    blocks = [(n, t) for t in "01" for n in ("plain", "DFLASH", "DDTREE b63")]
+    if order == "temps-first":
+        want = [(n, t, c) for n, t in blocks for c in ("1", "4")]
+    else:
+        want = [(n, t, c) for c in ("1", "4") for n, t in blocks]
+    assert measured == want
+    res = json.loads((out / "results.json").read_text())
+    assert [(s["label"], s["group"]) for s in res["servers"]] == [(n, f"T={t}") for n, t in blocks]
+    assert all([lv["concurrency"] for lv in s["levels"]] == [1, 4] for s in res["servers"])
+    assert all(s["server"].get("speculative_algorithm") == (None if s["label"] == "plain" else s["label"].split()[0])
+               for s in res["servers"])
