@@ -187,6 +187,22 @@ class FakeSGLang:
             self.server.server_close()
 
 
+def serve_in_a_row(fakes: list[FakeSGLang], first: int = 34100, step: int = 7) -> int:
+    """Serve ``fakes`` at consecutive ports (a driver's ``--port-base + i``) and return the base;
+    a base where any port is taken is given up (the servers started there stopped) for the next."""
+    for base in range(first, 60000, step):
+        started = []
+        try:
+            for i, f in enumerate(fakes):
+                f.serve(base + i)
+                started.append(f)
+            return base
+        except OSError:
+            for f in started:
+                f.stop()
+    raise RuntimeError(f"no {len(fakes)} free ports in a row from {first}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--port", type=int, required=True)

@@ -80,6 +80,21 @@ def test_round_cost_table_compares_every_ddtree_server_with_dflash_of_the_same_r
     assert rc.SERVER_ENV["ddtree_b15_ext"] == {"SGLANG_DDTREE_TREE_ATTENTION": "0"}
 
 
+def _acceptance_run_attached(tmp_path: Path, base: int, *args: str) -> tuple[Path, subprocess.CompletedProcess]:
+    """bench/acceptance_run.py --attach at ports base + i, on a one-prompt pair; (out, the run)."""
+    import json
+    import sys
+
+    pair = tmp_path / "pair"
+    pair.mkdir()
+    (pair / "prompts.jsonl").write_text(json.dumps({"input_ids": [5, 6, 7]}) + "\n")
+    out = tmp_path / "out"
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, str(root / "bench" / "acceptance_run.py"), "--out", str(out), "--pair", str(pair),
+                        "--attach", "--port-base", str(base), *args], capture_output=True, text=True, timeout=180)
+    return out, r
+
+
 def test_acceptance_run_attach_refuses_a_server_of_another_configuration(tmp_path):
     """bench/acceptance_run.py --attach measures servers already running at its ports; a port
     that answers with another configuration (here budget 15 where DDTREE b255 belongs, as
@@ -89,31 +104,12 @@ def test_acceptance_run_attach_refuses_a_server_of_another_configuration(tmp_pat
     import sys
 
     sys.path.insert(0, str(Path(__file__).parent))
-    from bench_fake_sglang import FakeSGLang
+    from bench_fake_sglang import FakeSGLang, serve_in_a_row
 
     fakes = [FakeSGLang(), FakeSGLang("DFLASH", accept=3), FakeSGLang("DDTREE", accept=4, budget=15)]
-    base = None
-    for cand in range(34100, 60000, 7):  # the driver's ports are port_base + i: three free in a row
-        started = []
-        try:
-            for i, f in enumerate(fakes):
-                f.serve(cand + i)
-                started.append(f)
-            base = cand
-            break
-        except OSError:
-            for f in started:
-                f.stop()
-    assert base is not None
+    base = serve_in_a_row(fakes)  # the driver's ports are port_base + i
     try:
-        pair = tmp_path / "pair"
-        pair.mkdir()
-        (pair / "prompts.jsonl").write_text(json.dumps({"input_ids": [5, 6, 7]}) + "\n")
-        out = tmp_path / "out"
-        root = Path(__file__).resolve().parents[1]
-        r = subprocess.run([sys.executable, str(root / "bench" / "acceptance_run.py"), "--out", str(out),
-                            "--pair", str(pair), "--budgets", "255", "--attach", "--port-base", str(base),
-                            "--concurrency", "1"], capture_output=True, text=True, timeout=120)
+        out, r = _acceptance_run_attached(tmp_path, base, "--budgets", "255", "--concurrency", "1")
         assert r.returncode == 2, r.stderr[-2000:]
         res = json.loads((out / "results.json").read_text())
         assert res["ok"] is False and "serves algorithm DDTREE budget 15, not DDTREE b255" in res["error"]
@@ -300,33 +296,14 @@ def test_acceptance_run_orders_its_levels(tmp_path, order):
     import sys
 
     sys.path.insert(0, str(Path(__file__).parent))
-    from bench_fake_sglang import FakeSGLang
+    from bench_fake_sglang import FakeSGLang, serve_in_a_row
 
     fakes = [FakeSGLang(round_ms=0.2), FakeSGLang("DFLASH", accept=3, round_ms=0.2),
              FakeSGLang("DDTREE", accept=4, round_ms=0.2, budget=63)]
-    base = None
-    for cand in range(37100, 60000, 7):
-        started = []
-        try:
-            for i, f in enumerate(fakes):
-                f.serve(cand + i)
-                started.append(f)
-            base = cand
-            break
-        except OSError:
-            for f in started:
-                f.stop()
-    assert base is not None
+    base = serve_in_a_row(fakes, first=37100)
     try:
-        pair = tmp_path / "pair"
-        pair.mkdir()
-        (pair / "prompts.jsonl").write_text(json.dumps({"input_ids": [5, 6, 7]}) + "\n")
-        out = tmp_path / "out"
-        root = Path(__file__).resolve().parents[1]
-        r = subprocess.run([sys.executable, str(root / "bench" / "acceptance_run.py"), "--out", str(out),
-                            "--pair", str(pair), "--budgets", "63", "--attach", "--port-base", str(base),
-                            "--concurrency", "1,4", "--max-new-tokens", "8", "--order", order,
-                            "--log-dir", str(tmp_path / "logs")], capture_output=True, text=True, timeout=180)
+        out, r = _acceptance_run_attached(tmp_path, base, "--budgets", "63", "--concurrency", "1,4", "--max-new-tokens",
+                                          "8", "--order", order, "--log-dir", str(tmp_path / "logs"))
         assert r.returncode == 0, r.stderr[-3000:]
     finally:
         for f in fakes:
