@@ -15,18 +15,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$out" /tmp/site /tmp/px
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 tar -xJf "$site" -C /tmp/site && tar -xJf "$pair_tar" -C /tmp/px && cp -r "$overlay/srt/." /tmp/site/sglang/srt/ || exit 1
-mp=/tmp/site/sglang/srt/layers/utils/multi_platform.py
-python3 - "$mp" <<'PY' || exit 1
-import sys
-p = sys.argv[1]
-s = open(p).read()
-anchor = "    def dispatch_forward(self):\n"
-if s.count(anchor) != 1:
-    raise SystemExit(f"{p}: no single dispatch_forward to gate")
-gate = anchor + ("        if __import__('os').environ.get('DDTREE_NATIVE_OPS') == '1':\n"
-                 "            return self.forward_native\n")
-open(p, "w").write(s.replace(anchor, gate))
-PY
+python3 "$here/native_ops_gate.py" /tmp/site/sglang/srt/layers/utils/multi_platform.py || exit 1
 small=$(ls -d /tmp/px/*/ | head -1)
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 if [ "$pin" = 0.5.16 ]; then graph="--cuda-graph-backend-prefill disabled --cuda-graph-max-bs-decode 8"
