@@ -118,6 +118,16 @@ def configs(budgets: list[int | str]) -> list[tuple[str, str]]:
     return out
 
 
+def parse_without(text: str, cfgs: list[tuple[str, str]]) -> set[str]:
+    """--without: configuration names of this run to leave out; plain (the greedy reference) and
+    names the run does not have are refused with the names it may use."""
+    without = {x.strip() for x in text.split(",") if x.strip()}
+    if "plain" in without or without - {n for n, _ in cfgs}:
+        raise SystemExit(f"--without: {sorted(without)}: name configurations of this run other than plain "
+                         f"({', '.join(n for n, _ in cfgs[1:])})")
+    return without
+
+
 def server_env(name: str, phase_times: bool = False) -> dict[str, str]:
     """The environment a configuration's server gets on top of this process's: the auto mode's
     switches, and SGLANG_DDTREE_PHASE_TIMES=1 on every DDTREE server with --phase-times (the
@@ -204,9 +214,10 @@ def auto_snapshot(url: str) -> dict | None:
     """The controller's state of a DDTREE auto server (internal_states[i].ddtree_budget_auto of
     /get_server_info: widths, cost table, calibration, rounds per width), or None."""
     try:
-        with urllib.request.urlopen(url + "/get_server_info", timeout=10) as r:
-            info = json.loads(r.read())
+        info = B._request(url, "/get_server_info", None, 10.0)
     except (OSError, ValueError):  # unreachable (URLError is an OSError) or not JSON
+        return None
+    if not isinstance(info, dict):
         return None
     for st in info.get("internal_states") or []:
         if isinstance(st, dict) and isinstance(st.get("ddtree_budget_auto"), dict):
@@ -373,10 +384,7 @@ def main() -> int:
     if a.waves < 1:
         raise SystemExit(f"--waves: {a.waves}: give 1 or more (requests per level = max(8, waves x concurrency))")
     cfgs = configs(budgets)
-    without = {x.strip() for x in a.without.split(",") if x.strip()}
-    if "plain" in without or without - {n for n, _ in cfgs}:
-        raise SystemExit(f"--without: {sorted(without)}: name configurations of this run other than plain "
-                         f"({', '.join(n for n, _ in cfgs[1:])})")
+    without = parse_without(a.without, cfgs)
     t_start = time.time()
     deadline = t_start + a.budget_s
     a.out.mkdir(parents=True, exist_ok=True)

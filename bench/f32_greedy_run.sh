@@ -10,17 +10,13 @@
 # configurations run the same ops, so a difference left is not a kernel's.
 set -uo pipefail
 out=${1:?usage: bench/f32_greedy_run.sh OUT SITE_TAR_XZ PAIR_TAR_XZ OVERLAY_DIR [PIN]}
-site=${2:?}; pair_tar=${3:?}; overlay=${4:?}; pin=${5:-0.5.13.post1}
+site=${2:?}; pair_tar=${3:?}; overlay=${4:?}
 here=$(cd "$(dirname "$0")" && pwd)
-mkdir -p "$out" /tmp/site /tmp/px
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
-tar -xJf "$site" -C /tmp/site && tar -xJf "$pair_tar" -C /tmp/px && cp -r "$overlay/srt/." /tmp/site/sglang/srt/ || exit 1
+# shellcheck source=bench/lifted_setup.sh
+source "$here/lifted_setup.sh"
+PIN=${5:-0.5.13.post1} device_setup "$out" "$site" "$pair_tar" "$overlay" || exit 1
 python3 "$here/native_ops_gate.py" /tmp/site/sglang/srt/layers/utils/multi_platform.py || exit 1
-small=$(ls -d /tmp/px/*/ | head -1)
-export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-if [ "$pin" = 0.5.16 ]; then graph="--cuda-graph-backend-prefill disabled --cuda-graph-max-bs-decode 8"
-else graph="--disable-piecewise-cuda-graph --cuda-graph-max-bs 8"; fi
 DDTREE_NATIVE_OPS=1 python3 "$here/acceptance_run.py" --out "$out/f32" --pin "$pin" --pair "$small" --budgets 15,63 \
   --exactness-only --dtype float32 --port-base 32000 --log-dir "$out/logs" --budget-s 300 \
-  --common "--skip-tokenizer-init --sampling-backend pytorch --grammar-backend none --mem-fraction-static 0.9 --random-seed 0 $graph --max-total-tokens 8192 --max-running-requests 8" 2>&1 \
+  --common "$common $graph_bs 8 --max-total-tokens 8192 --max-running-requests 8" 2>&1 \
   | grep -v "^\s*$" | tail -25

@@ -1,21 +1,30 @@
-# Sourced by the lifted-pair device scripts (bench/lifted_auto_run.sh, bench/lifted_profile_run.sh):
+# Sourced by the device scripts (bench/lifted_auto_run.sh, bench/lifted_profile_run.sh,
+# bench/f32_greedy_run.sh).
+#   device_setup OUT SITE_TAR_XZ PAIR_TAR_XZ OVERLAY_DIR
+# extracts the SGLang site into /tmp/site with the overlay on top and the small trained pair into
+# /tmp/px, and sets: small (the small pair's folder), pin (PIN, default 0.5.16), common (the
+# server flags of every device run) and graph_bs (the pin's name of the decode-graph batch flag);
+# PYTHONPATH is /tmp/site.
 #   lifted_setup OUT SITE_TAR_XZ PAIR_TAR_XZ OVERLAY_DIR
-# extracts the SGLang site into /tmp/site with the overlay on top, the small trained pair into
-# /tmp/px, lifts it into /tmp/lifted (Qwen3-8B shape) and sets: small (the small pair's folder),
-# pin (PIN, default 0.5.16), common (the server flags of both pins' runs) and graph_bs (the pin's
-# name of the decode-graph batch flag); PYTHONPATH is /tmp/site. Returns non-zero on a failed step.
-lifted_setup() {
-  local out=$1 site=$2 pair_tar=$3 overlay=$4 here
-  here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+# does the same, then lifts the small pair into /tmp/lifted (Qwen3-8B shape).
+# Both return non-zero on a failed step.
+device_setup() {
+  local out=$1 site=$2 pair_tar=$3 overlay=$4
   mkdir -p "$out" /tmp/site /tmp/px
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
   tar -xJf "$site" -C /tmp/site && tar -xJf "$pair_tar" -C /tmp/px && cp -r "$overlay/srt/." /tmp/site/sglang/srt/ || return 1
   small=$(ls -d /tmp/px/*/ | head -1)
   export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-  python3 "$here/lift_pair.py" --pair "$small" --out /tmp/lifted --device cuda > "$out/lift.log" 2>&1 || { tail "$out/lift.log"; return 1; }
-  echo "lifted $small at $(date +%T)"
   pin=${PIN:-0.5.16}
   common="--skip-tokenizer-init --sampling-backend pytorch --grammar-backend none --mem-fraction-static 0.9 --random-seed 0"
   if [ "$pin" = 0.5.16 ]; then common+=" --cuda-graph-backend-prefill disabled"; graph_bs=--cuda-graph-max-bs-decode
   else common+=" --disable-piecewise-cuda-graph"; graph_bs=--cuda-graph-max-bs; fi
+}
+
+lifted_setup() {
+  local out=$1 here
+  here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+  device_setup "$@" || return 1
+  python3 "$here/lift_pair.py" --pair "$small" --out /tmp/lifted --device cuda > "$out/lift.log" 2>&1 || { tail "$out/lift.log"; return 1; }
+  echo "lifted $small at $(date +%T)"
 }

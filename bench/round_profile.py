@@ -126,10 +126,7 @@ def main() -> int:
     if a.steps < 1:
         raise SystemExit(f"--steps: {a.steps}: give 1 or more")
     cfgs = ar.configs(ar.parse_budgets(a.budgets))
-    without = {x.strip() for x in a.without.split(",") if x.strip()}
-    if "plain" in without or without - {n for n, _ in cfgs}:
-        raise SystemExit(f"--without: {sorted(without)}: name configurations other than plain "
-                         f"({', '.join(n for n, _ in cfgs[1:])})")
+    without = ar.parse_without(a.without, cfgs)
     common = a.common or ar.COMMON_BY_PIN[a.pin]
     a.out.mkdir(parents=True, exist_ok=True)
     a.log_dir.mkdir(parents=True, exist_ok=True)
@@ -141,12 +138,10 @@ def main() -> int:
     results: dict[str, dict] = {}
     t_start = time.time()
     try:
-        t0 = time.time()
-        while not all(s.poll_ready() for s in servers) and time.time() - t0 < a.startup_timeout:
-            time.sleep(2.0)
+        ar.wait_ready(servers, t_start + a.startup_timeout)
         for s in servers:
             if s.startup_s is None:
-                results[s.name] = {"error": s.error or "not ready in time"}
+                results[s.name] = {"error": s.error or "not ready before the deadline"}
                 continue
             if time.time() - t_start > a.budget_s:
                 results[s.name] = {"error": f"skipped: past --budget-s {a.budget_s:.0f}"}
