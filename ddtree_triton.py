@@ -658,27 +658,38 @@ def _tree_attn_finish(m, acc_l, acc):
     return acc / tl.where(has, acc_l, 1.0)[:, None], lse
 
 @triton.jit
+def _tree_attn_splits(plen, S, MINK):
+    """(keys per split, splits used) of a prefix of plen keys: S splits, or fewer of at least
+    MINK keys each when the prefix is short (none for an empty prefix)."""
+    per = tl.maximum(tl.cdiv(plen, S), MINK)
+    return per, tl.cdiv(plen, per)
+
+@triton.jit
 def tree_attn_prefix_kernel(
     q_ptr, k_ptr, v_ptr,  # q [bs*N, Hq, D]; k/v cache [slots, Hkv, D]
     indptr_ptr, indices_ptr,  # [bs+1] i32/i64; [*] slots
     ws_o_ptr, ws_lse_ptr,  # [bs, Hkv, RB, S, BLOCK_R, BLOCK_D] f32; [bs, Hkv, RB, S, BLOCK_R] f32
-    N, G, D, S, RB,
+    N, G, D, S, RB, MINK,
     q_s0, q_s1, k_s0, k_s1, v_s0, v_s1,
     sm_scale,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     # One program: request b, KV head kvh, row block rb, prefix split s. Writes the split's
-    # normalised partial output and its log-sum-exp (-inf for an empty split).
+    # normalised partial output and its log-sum-exp. The prefix is cut into splits of at least
+    # MINK keys (_tree_attn_splits), so a short prefix uses fewer than S; a program past them
+    # returns at once, and the merge does not read its slot.
     b = tl.program_id(0)
     kvh = tl.program_id(1) // RB
     rb = tl.program_id(1) % RB
     s = tl.program_id(2)
     Hkv = tl.num_programs(1) // RB
-    q = _tree_attn_load_q(q_ptr, b, kvh, rb, N, G, q_s0, q_s1, D, BLOCK_R, BLOCK_D)[0]
-    d = tl.arange(0, BLOCK_D)
     start = tl.load(indptr_ptr + b).to(tl.int64)
     plen = tl.load(indptr_ptr + b + 1).to(tl.int64) - start
-    per = tl.cdiv(plen, S)
+    per, used = _tree_attn_splits(plen, S, MINK)
+    if s >= used:
+        return
+    q = _tree_attn_load_q(q_ptr, b, kvh, rb, N, G, q_s0, q_s1, D, BLOCK_R, BLOCK_D)[0]
+    d = tl.arange(0, BLOCK_D)
     lo = s * per
     hi = tl.minimum(lo + per, plen)
     m = tl.full((BLOCK_R,), float("-inf"), tl.float32)
@@ -703,14 +714,14 @@ def tree_attn_tree_kernel(
     q_ptr, kt_ptr, vt_ptr,  # q [bs*N, Hq, D]; tree k/v [bs*N, Hkv, D]
     indptr_ptr, mask_ptr, mask_indptr_ptr,  # prefix lengths; FULL mask (bool); [bs+1]
     ws_o_ptr, ws_lse_ptr, o_ptr,  # prefix partials; out [bs*N, Hq, D]
-    N, G, D, S, RB,
+    N, G, D, S, RB, MINK,
     q_s0, q_s1, kt_s0, kt_s1, vt_s0, vt_s1, o_s0, o_s1,
     sm_scale,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     # One program: request b, KV head kvh, row block rb. The tree block under the ancestor
     # mask (a node always sees itself, so every row has a live key), then the merge with the
-    # S prefix partials.
+    # prefix partials.
     b = tl.program_id(0)
     kvh = tl.program_id(1) // RB
     rb = tl.program_id(1) % RB
@@ -734,16 +745,18 @@ def tree_attn_tree_kernel(
         allow = tl.load(mask_ptr + row0[:, None] + j[None, :], mask=live[:, None] & jm[None, :], other=0)
         m, acc_l, acc = _tree_attn_step(q, k, v, allow != 0, sm_scale, m, acc_l, acc)
     out, lse_t = _tree_attn_finish(m, acc_l, acc)
-    # merge: out = sum_k exp(lse_k - LSE) o_k over the tree part and the S prefix splits
+    # merge: out = sum_k exp(lse_k - LSE) o_k over the tree part and the prefix splits the
+    # prefix kernel wrote (`used` of the S slots)
+    used = _tree_attn_splits(plen, S, MINK)[1]
     top = lse_t
     base = ((b * Hkv + kvh) * RB + rb) * S
     rows = tl.arange(0, BLOCK_R)
-    for s in range(S):
+    for s in range(used):
         top = tl.maximum(top, tl.load(ws_lse_ptr + (base + s) * BLOCK_R + rows))
     w = tl.exp(lse_t - top)
     total = w
     out = out * w[:, None]
-    for s in range(S):
+    for s in range(used):
         lse_s = tl.load(ws_lse_ptr + (base + s) * BLOCK_R + rows)
         w_s = tl.exp(lse_s - top)
         o_s = tl.load(ws_o_ptr + ((base + s) * BLOCK_R + rows)[:, None] * BLOCK_D + d[None, :])

@@ -1626,6 +1626,17 @@ def move_kv_rows(rows: KVRows, tgt: Tensor, src: Tensor, backend: str = "auto") 
 _TREE_ATTN_ROWS = 64  # query rows (tree nodes x heads of a KV head) per program
 _TREE_ATTN_KEYS = 64  # keys per step
 _TREE_ATTN_MAX_SPLITS = 16
+# Warps per program: at 4 both kernels spill (255 registers and 280 / 928 bytes of stack a
+# thread for sm_90, a 64 x 128 float32 accumulator plus q, K and V tiles); at 8 the prefix
+# kernel needs 181 registers and no stack, the tree kernel 48 bytes (tests/triton_aot.py).
+_TREE_ATTN_WARPS = 8
+# Fewest prefix keys per split. The split count is fixed per batch size (a CUDA graph holds it),
+# but the prefix grows from a few dozen keys: at batch 1 (9 splits on 132 SMs) a 200-key prefix
+# split 9 ways gives programs of about 22 keys each plus a 9-step merge per row block, which
+# measured 27 us a layer on an H100 against 14 for SGLang's extend kernel (BENCHMARKS.md,
+# fourteenth session). Splits of at least two key steps each keep the split-KV gain for long
+# prefixes and skip the idle splits and their merge for short ones (decided on the device).
+_TREE_ATTN_MIN_SPLIT_KEYS = 2 * _TREE_ATTN_KEYS
 _SM_COUNT: dict = {}
 
 
@@ -1658,12 +1669,16 @@ def tree_verify_attention(
     sm_scale: float,
     out: Tensor | None = None,
     splits: int | None = None,
+    min_split_keys: int = _TREE_ATTN_MIN_SPLIT_KEYS,
 ) -> Tensor:
     """Attention of a tree verify, as ``ddtree_reference.tree_verify_attention_reference`` (same arguments),
     with two Triton kernels and no host sync (capturable in a CUDA graph): split-KV over the
     prefix, then the masked tree block and a log-sum-exp merge. ``out``: ``[bs * N, Hq, D]``
     to write into (else allocated); ``splits``: prefix splits (default
-    :func:`tree_verify_splits`). Needs Triton (CUDA, or the CPU under ``TRITON_INTERPRET=1``).
+    :func:`tree_verify_splits`), of which a request uses as many as give each at least
+    ``min_split_keys`` keys (at least one split for a non-empty prefix; the kernels decide this
+    from the prefix length on the device). Needs Triton (CUDA, or the CPU under
+    ``TRITON_INTERPRET=1``).
     """
     if triton is None:
         raise RuntimeError("tree_verify_attention needs Triton")
@@ -1682,19 +1697,21 @@ def tree_verify_attention(
         out = torch.empty_like(q)
     if bs == 0:
         return out
+    if min_split_keys < 1:
+        raise ValueError(f"min_split_keys={min_split_keys}: give 1 or more")
     ws_o = torch.empty((bs, hkv, rb, s, _TREE_ATTN_ROWS, bd), dtype=torch.float32, device=q.device)
     ws_lse = torch.empty((bs, hkv, rb, s, _TREE_ATTN_ROWS), dtype=torch.float32, device=q.device)
-    common = {"BLOCK_R": _TREE_ATTN_ROWS, "BLOCK_N": _TREE_ATTN_KEYS, "BLOCK_D": bd, "num_warps": 4}
+    common = {"BLOCK_R": _TREE_ATTN_ROWS, "BLOCK_N": _TREE_ATTN_KEYS, "BLOCK_D": bd, "num_warps": _TREE_ATTN_WARPS}
     ddtree_triton.tree_attn_prefix_kernel[(bs, hkv * rb, s)](
         q, k_buffer, v_buffer, kv_indptr, kv_indices, ws_o, ws_lse,
-        n, g, dim, s, rb,
+        n, g, dim, s, rb, min_split_keys,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1),
         float(sm_scale), **common,
     )  # fmt: skip
     ddtree_triton.tree_attn_tree_kernel[(bs, hkv * rb)](
         q, k_tree, v_tree, kv_indptr, mask, mask_indptr, ws_o, ws_lse, out,
-        n, g, dim, s, rb,
+        n, g, dim, s, rb, min_split_keys,
         q.stride(0), q.stride(1), k_tree.stride(0), k_tree.stride(1),
         v_tree.stride(0), v_tree.stride(1), out.stride(0), out.stride(1),
         float(sm_scale), **common,

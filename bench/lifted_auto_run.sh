@@ -13,6 +13,7 @@
 # the requests per level in multiples of the concurrency (2 left two runs of a c >= 16 level up to 11 % apart);
 # ORDER=conc-first measures every server and temperature at c = 1 first, so a deadline drops high c
 # (temps-first, the default, keeps auto's controller on one temperature for all its levels).
+# TUNE_TREE_ATTN=1 first runs bench/tree_attn_bench.py and serves its fastest setting at batch 1.
 # PIN=0.5.13.post1 (carry that pin's site and overlay instead) runs the v1 worker with its own
 # graph flags; its default budgets are 63 with plain and DFLASH (auto is a 0.5.16 feature).
 set -uo pipefail
@@ -23,6 +24,10 @@ here=$(cd "$(dirname "$0")" && pwd)
 source "$here/lifted_setup.sh"
 mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
 lifted_setup "$out" "$site" "$pair_tar" "$overlay" || exit 1
+if [ "${TUNE_TREE_ATTN:-0}" = 1 ]; then  # time the tree attention's launch settings, serve the fastest at batch 1
+  python3 "$here/tree_attn_bench.py" --json "$out/tree_attn.json" \
+    --apply /tmp/site/sglang/srt/speculative/ddtree_utils.py 2>&1 | tee "$out/tree_attn.txt" | tail -12
+fi
 conc=${CONC:-1,4,16,32,64}
 if [ "$pin" != 0.5.16 ]; then budgets=63; without=()
 elif [ "$mem" -gt 100000 ]; then budgets=15,auto+off; without=(); else budgets=auto+off; without=(--without DFLASH); fi

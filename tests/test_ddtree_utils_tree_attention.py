@@ -52,10 +52,13 @@ def _case(seed, *, plens, n, hq, hkv, d, dtype, tree_from_ddtree=True):
 def test_tree_verify_attention_equals_the_reference(plens, n, hq, hkv, d, splits, dtype):
     args = _case(sum(plens) + n, plens=plens, n=n, hq=hq, hkv=hkv, d=d, dtype=dtype)
     want = dr.tree_verify_attention_reference(*args, n, 0.37)
-    got = du.tree_verify_attention(*args, n, 0.37, splits=splits)
-    assert got.dtype == dtype and got.shape == want.shape
     tol = 1e-5 if dtype == torch.float32 else 2e-3
-    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    # every split used (1 key a split at least), then splits of at least 32 keys: the short
+    # prefixes use fewer than `splits`, the idle programs return and the merge skips their slots
+    for min_keys in (1, 32):
+        got = du.tree_verify_attention(*args, n, 0.37, splits=splits, min_split_keys=min_keys)
+        assert got.dtype == dtype and got.shape == want.shape
+        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
     # the default split count, and writing into a given output
     out = torch.full_like(want, float("nan"))
     du.tree_verify_attention(*args, n, 0.37, out=out)
@@ -86,6 +89,35 @@ def test_the_mask_decides_and_its_prefix_part_is_not_read():
     diff = du.tree_verify_attention(q, kb, vb, indptr, indices, kt, vt, more, mask_indptr, n, 0.5)
     changed = (diff != base).any(dim=(1, 2)).nonzero().flatten().tolist()
     assert changed == [n + 2]
+
+
+def test_a_short_prefix_uses_fewer_splits_and_leaves_the_others_unwritten(monkeypatch):
+    """The prefix kernel writes only the splits the prefix needs (min_split_keys each): the
+    workspace slots of the others keep what was there, and the result still equals the
+    reference (the merge reads only the written ones)."""
+    plens, n, splits = (0, 40, 100), 3, 4
+    args = _case(11, plens=plens, n=n, hq=2, hkv=1, d=16, dtype=torch.float32)
+    want = dr.tree_verify_attention_reference(*args, n, 0.5)
+    made = []
+    real_empty = torch.empty
+
+    def poisoned(*shape, **kw):  # the workspaces start as NaN, so a stale slot read would show
+        t = real_empty(*shape, **kw)
+        if t.dtype == torch.float32 and len(t.shape) >= 5:
+            t.fill_(float("nan"))
+            made.append(t)
+        return t
+
+    monkeypatch.setattr(du.torch, "empty", poisoned)
+    got = du.tree_verify_attention(*args, n, 0.5, splits=splits, min_split_keys=32)
+    monkeypatch.undo()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    ws_lse = made[1]  # [bs, Hkv, RB, S, rows]
+    written = ~torch.isnan(ws_lse[:, 0, 0, :, 0])
+    # 0 keys: no split; 40 keys: ceil(40 / 32) = 2 splits of 32 + 8; 100: 4 splits of 32 + 4
+    assert written.tolist() == [[False] * 4, [True, True, False, False], [True] * 4]
+    with pytest.raises(ValueError, match="min_split_keys"):
+        du.tree_verify_attention(*args, n, 0.5, min_split_keys=0)
 
 
 def test_splits_fill_the_device_and_refusals():

@@ -88,13 +88,13 @@ SAMPLE_NO_SEARCH = {**SAMPLE_CONSTS, "SEARCH": False, "CAP": 0}
 SAMPLE_OPTS = du._sample_launch_options(True)  # as _sample_rows_triton launches it
 TREE_ATTN_PREFIX = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "indptr_ptr": "*i32",
                     "indices_ptr": "*i64", "ws_o_ptr": "*fp32", "ws_lse_ptr": "*fp32", "N": "i32",
-                    "G": "i32", "D": "i32", "S": "i32", "RB": "i32", "q_s0": "i32", "q_s1": "i32",
-                    "k_s0": "i32", "k_s1": "i32", "v_s0": "i32", "v_s1": "i32",
+                    "G": "i32", "D": "i32", "S": "i32", "RB": "i32", "MINK": "i32", "q_s0": "i32",
+                    "q_s1": "i32", "k_s0": "i32", "k_s1": "i32", "v_s0": "i32", "v_s1": "i32",
                     "sm_scale": "fp32"}  # fmt: skip
 TREE_ATTN_TREE = {"q_ptr": "*bf16", "kt_ptr": "*bf16", "vt_ptr": "*bf16", "indptr_ptr": "*i32",
                   "mask_ptr": "*i1", "mask_indptr_ptr": "*i32", "ws_o_ptr": "*fp32",
                   "ws_lse_ptr": "*fp32", "o_ptr": "*bf16", "N": "i32", "G": "i32", "D": "i32",
-                  "S": "i32", "RB": "i32", "q_s0": "i32", "q_s1": "i32", "kt_s0": "i32",
+                  "S": "i32", "RB": "i32", "MINK": "i32", "q_s0": "i32", "q_s1": "i32", "kt_s0": "i32",
                   "kt_s1": "i32", "vt_s0": "i32", "vt_s1": "i32", "o_s0": "i32", "o_s1": "i32",
                   "sm_scale": "fp32"}  # fmt: skip
 TREE_ATTN_CONSTS = {"BLOCK_R": du._TREE_ATTN_ROWS, "BLOCK_N": du._TREE_ATTN_KEYS, "BLOCK_D": 128}
@@ -126,8 +126,8 @@ CASES = [
     (dt.move_kv_rows_kernel, KV_MOVE, {"KP": 2, "TILE": du._KV_MOVE_TILE}, 4),
     (dt.move_kv_rows_kernel, KV_MOVE, {"KP": 16, "TILE": du._KV_MOVE_TILE}, 4),
     # the tree-verify attention at head dim 128, bf16 (Qwen3 shapes)
-    (dt.tree_attn_prefix_kernel, TREE_ATTN_PREFIX, TREE_ATTN_CONSTS, 4),
-    (dt.tree_attn_tree_kernel, TREE_ATTN_TREE, TREE_ATTN_CONSTS, 4),
+    (dt.tree_attn_prefix_kernel, TREE_ATTN_PREFIX, TREE_ATTN_CONSTS, du._TREE_ATTN_WARPS),
+    (dt.tree_attn_tree_kernel, TREE_ATTN_TREE, TREE_ATTN_CONSTS, du._TREE_ATTN_WARPS),
 ]
 
 
