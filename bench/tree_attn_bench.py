@@ -174,10 +174,10 @@ def measure_case(bs: int, n: int, plen: int, grid: list[dict], n_layers: int, re
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cases", default="1x64x128,1x64x600,1x64x3000,1x16x300,4x64x300,16x64x500,16x16x500")
+    ap.add_argument("--cases", default="1x64x128,1x64x600,1x64x3000,4x64x300,16x64x500")
     ap.add_argument("--rows", default="64,32")
     ap.add_argument("--warps", default="4,8")
-    ap.add_argument("--min-split-keys", default="1,128,256")
+    ap.add_argument("--min-split-keys", default="1,128")
     ap.add_argument("--layers", type=int, default=36)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--json", type=Path, default=None, help="write every measurement here")
