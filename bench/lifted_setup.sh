@@ -3,7 +3,7 @@
 #   device_setup OUT SITE_TAR_XZ PAIR_TAR_XZ OVERLAY_DIR
 # extracts the SGLang site into /tmp/site with the overlay on top and the small trained pair into
 # /tmp/px, and sets: small (the small pair's folder), pin (PIN, default 0.5.16), common (the
-# server flags of every device run) and graph_bs (the pin's name of the decode-graph batch flag);
+# server flags of every device run; PREFILL_GRAPHS below) and graph_bs (the pin's name of the decode-graph batch flag);
 # PYTHONPATH is /tmp/site.
 #   lifted_setup OUT SITE_TAR_XZ PAIR_TAR_XZ OVERLAY_DIR
 # does the same, then lifts the small pair into /tmp/lifted (Qwen3-8B shape).
@@ -15,10 +15,7 @@ device_setup() {
   tar -xJf "$site" -C /tmp/site && tar -xJf "$pair_tar" -C /tmp/px && cp -r "$overlay/srt/." /tmp/site/sglang/srt/ || return 1
   small=$(ls -d /tmp/px/*/ | head -1)
   export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-  pin=${PIN:-0.5.16}
-  common="--skip-tokenizer-init --sampling-backend pytorch --grammar-backend none --mem-fraction-static 0.9 --random-seed 0"
-  if [ "$pin" = 0.5.16 ]; then common+=" --cuda-graph-backend-prefill disabled"; graph_bs=--cuda-graph-max-bs-decode
-  else common+=" --disable-piecewise-cuda-graph"; graph_bs=--cuda-graph-max-bs; fi
+  pin_flags
 }
 
 lifted_setup() {
@@ -27,4 +24,17 @@ lifted_setup() {
   device_setup "$@" || return 1
   python3 "$here/lift_pair.py" --pair "$small" --out /tmp/lifted --device cuda > "$out/lift.log" 2>&1 || { tail "$out/lift.log"; return 1; }
   echo "lifted $small at $(date +%T)"
+}
+
+# pin (PIN, default 0.5.16), common and graph_bs as device_setup sets them (no GPU needed).
+pin_flags() {
+  pin=${PIN:-0.5.16}
+  common="--skip-tokenizer-init --sampling-backend pytorch --grammar-backend none --mem-fraction-static 0.9 --random-seed 0"
+  # Prefill runs eager in every run up to the thirteenth session (as on 0.5.13.post1, where the
+  # piecewise graph was turned off); PREFILL_GRAPHS=1 keeps 0.5.16's default prefill graph
+  # (breakable), capped at PREFILL_GRAPH_MAX tokens (default 512), as a user of the pin gets it.
+  if [ "$pin" = 0.5.16 ]; then graph_bs=--cuda-graph-max-bs-decode
+    if [ "${PREFILL_GRAPHS:-0}" = 1 ]; then common+=" --cuda-graph-max-bs-prefill ${PREFILL_GRAPH_MAX:-512}"
+    else common+=" --cuda-graph-backend-prefill disabled"; fi
+  else common+=" --disable-piecewise-cuda-graph"; graph_bs=--cuda-graph-max-bs; fi
 }

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -320,3 +322,32 @@ def test_acceptance_run_orders_its_levels(tmp_path, order):
     assert all([lv["concurrency"] for lv in s["levels"]] == [1, 4] for s in res["servers"])
     assert all(s["server"].get("speculative_algorithm") == (None if s["label"] == "plain" else s["label"].split()[0])
                for s in res["servers"])
+
+
+@pytest.mark.parametrize(
+    "env,want,unwanted",
+    [
+        ({}, ["--cuda-graph-backend-prefill disabled", "--cuda-graph-max-bs-decode"], ["--cuda-graph-max-bs-prefill"]),
+        ({"PREFILL_GRAPHS": "1"}, ["--cuda-graph-max-bs-prefill 512"], ["--cuda-graph-backend-prefill"]),
+        ({"PREFILL_GRAPHS": "1", "PREFILL_GRAPH_MAX": "1024"}, ["--cuda-graph-max-bs-prefill 1024"], []),
+        ({"PIN": "0.5.13.post1", "PREFILL_GRAPHS": "1"}, ["--disable-piecewise-cuda-graph", "--cuda-graph-max-bs"],
+         ["prefill", "decode"]),
+    ],
+)
+def test_pin_flags_of_the_device_scripts(env, want, unwanted):
+    """bench/lifted_setup.sh's pin_flags: each pin's server flags, and PREFILL_GRAPHS keeping
+    0.5.16's own prefill graph (capped) instead of turning it off; every flag it names exists in
+    that pin's vendored server_args.py."""
+    root = Path(__file__).resolve().parents[1]
+    clean = {k: v for k, v in os.environ.items() if k not in ("PIN", "PREFILL_GRAPHS", "PREFILL_GRAPH_MAX")}
+    r = subprocess.run(["bash", "-c", f'source "{root}/bench/lifted_setup.sh"; pin_flags; echo "$pin|$common $graph_bs"'],
+                       capture_output=True, text=True, check=True, env={**clean, **env})
+    pin, flags = r.stdout.strip().split("|")
+    assert pin == env.get("PIN", "0.5.16")
+    for w in want:
+        assert w in flags, flags
+    for u in unwanted:
+        assert u not in flags, flags
+    source = (root / "snapshot" / f"sglang-{pin}" / "srt" / "server_args.py").read_text()
+    for flag in re.findall(r"--[a-z0-9-]+", flags):
+        assert flag[2:].replace("-", "_") in source, flag
