@@ -219,10 +219,66 @@ def analyse(events: list[dict], min_gap_us: float = 5.0, steps: int | None = Non
         "gpu_time_by_kernel_ms": table(kernels),
         "steps": steps,
     }
+    rep["rounds"] = rounds(events)
     if steps:
         rep["per_step_ms"] = {"window": round(window / 1e3 / steps, 4), "gpu_busy": round(busy / 1e3 / steps, 4),
                               "gpu_idle": round(idle / 1e3 / steps, 4)}
     return rep
+
+
+ROUND_FRAME = "forward_batch_generation"
+PREFILL_MARKERS = ("_execute_extend", "_make_next_draft_input_prefill", "forward_extend")
+
+
+def rounds(events: list[dict], round_frame: str = ROUND_FRAME, prefill_markers=PREFILL_MARKERS) -> dict:
+    """The trace's scheduler rounds, decode and prefill apart. A round is an outermost host frame
+    whose name contains ``round_frame`` (the spec worker's, or the target worker's for plain
+    decode); it is a prefill when a frame inside it names one of ``prefill_markers`` (an eager
+    extend, the drafter's prefill input). Its GPU work is every kernel / copy launched from the
+    frame's thread during it (CUPTI correlation), wherever it ran. Per kind: the count and the
+    means of host ms, GPU span (first start to last end of its work), GPU busy (the union), and
+    the start-to-start time to the next round's GPU work (the round's share of the window; None
+    for the last round). A window of 30 steps at concurrency 1 can hold 0 or 2 prefills of 40 ms
+    each, so per-step means mix them in; these do not."""
+    frames = sorted((e for e in events if e.get("cat") == FRAME_CAT), key=lambda e: (float(e["ts"]), -float(e.get("dur", 0))))
+    outer: list[dict] = []
+    for e in frames:
+        if round_frame in e["name"] and not (outer and outer[-1]["tid"] == e.get("tid")
+                                            and _interval(e)[0] < _interval(outer[-1])[1]):
+            outer.append(e)
+    if not outer:
+        return {}
+    gpu_by_corr: dict = defaultdict(list)
+    for e in events:
+        if e.get("cat") in GPU_CATS and "correlation" in e.get("args", {}):
+            gpu_by_corr[e["args"]["correlation"]].append(e)
+    launches = sorted((e for e in events if e.get("cat") in LAUNCH_CATS and "correlation" in e.get("args", {})),
+                      key=lambda e: float(e["ts"]))
+    launch_ts = [float(e["ts"]) for e in launches]
+    rows = []
+    for r in outer:
+        a, b = _interval(r)
+        inside = [f for f in frames if f.get("tid") == r.get("tid") and a <= float(f["ts"]) < b]
+        kind = "prefill" if any(m in f["name"] for f in inside for m in prefill_markers) else "decode"
+        work = [g for lo in launches[bisect.bisect_left(launch_ts, a):bisect.bisect_right(launch_ts, b)]
+                if lo.get("tid") == r.get("tid") for g in gpu_by_corr.get(lo["args"]["correlation"], ())]
+        if not work:
+            continue
+        _, busy, first, last = gpu_gaps(work, float("inf"))
+        rows.append({"kind": kind, "host": (b - a) / 1e3, "span": (last - first) / 1e3, "busy": busy / 1e3,
+                     "first": first})
+    for this, nxt in zip(rows, rows[1:]):
+        this["next"] = (nxt["first"] - this["first"]) / 1e3
+    out = {}
+    for kind in ("decode", "prefill"):
+        rs = [r for r in rows if r["kind"] == kind]
+        if not rs:
+            continue
+        nexts = [r["next"] for r in rs if "next" in r]
+        out[kind] = {"rounds": len(rs),
+                     **{f"{k}_ms": round(sum(r[k] for r in rs) / len(rs), 4) for k in ("host", "span", "busy")},
+                     "start_to_start_ms": round(sum(nexts) / len(nexts), 4) if nexts else None}
+    return out
 
 
 def compare(a: dict, b: dict, top: int = 20) -> dict:
@@ -240,7 +296,13 @@ def compare(a: dict, b: dict, top: int = 20) -> dict:
         rows.sort(key=lambda r: (-abs(r[1]), r[0]))
         return rows[:top]
 
+    da, db = (a.get("rounds") or {}).get("decode"), (b.get("rounds") or {}).get("decode")
+    decode = None
+    if da and db:
+        decode = {k: [da[k], db[k], None if da[k] is None or db[k] is None else round(da[k] - db[k], 4)]
+                  for k in ("start_to_start_ms", "busy_ms", "span_ms", "host_ms")}
     return {"per_step_ms_diff": head, "per_step_a": a["per_step_ms"], "per_step_b": b["per_step_ms"],
+            "decode_round": decode,
             "gpu_time_by_kernel": diff("gpu_time_by_kernel_ms"),
             "idle_host_inclusive": diff("idle_host_inclusive_ms")}
 
@@ -251,6 +313,10 @@ def render_compare(cmp: dict, name_a: str, name_b: str) -> str:
              f"   window {a['window']} - {b['window']} = {d['window']:+.4f}",
              f"   GPU busy {a['gpu_busy']} - {b['gpu_busy']} = {d['gpu_busy']:+.4f}",
              f"   GPU idle {a['gpu_idle']} - {b['gpu_idle']} = {d['gpu_idle']:+.4f}"]
+    if cmp.get("decode_round"):
+        lines.append(f"decode rounds only ({name_a} | {name_b} | difference), ms; prefill steps left out:")
+        lines.extend(f"   {k[:-3]} {va} | {vb} | {'-' if d is None else f'{d:+.4f}'}"
+                     for k, (va, vb, d) in cmp["decode_round"].items())
     for key, title in (("gpu_time_by_kernel", "GPU time by kernel"), ("idle_host_inclusive", "host frames in GPU-idle time")):
         lines.append(f"-- {title} (difference | {name_a} | {name_b}), ms per step")
         lines.extend(f"   {r[1]:+.4f} | {r[2]} | {r[3]}  {r[0][:140]}" for r in cmp[key])
@@ -265,6 +331,8 @@ def render(rep: dict, top: int = 25) -> str:
     if per:
         lines.append(f"per step ({rep['steps']}): window {per['window']} ms, busy {per['gpu_busy']}, idle {per['gpu_idle']}")
     lines.append(f"idle by cause (ms): {rep['idle_by_cause_ms']}")
+    for kind, r in (rep.get("rounds") or {}).items():
+        lines.append(f"{kind} rounds: {r}")
     for key, title in (("idle_host_leaf_ms", "host frames in GPU-idle time (innermost)"),
                        ("idle_host_inclusive_ms", "host frames in GPU-idle time (inclusive)"),
                        ("idle_by_launch_api_ms", "the launch that ended a gap"),

@@ -224,3 +224,49 @@ def test_compare_gives_per_step_differences_of_kernels_and_idle_frames(tmp_path,
     assert "a minus b, ms per step:" in out and "+0.0800" in out
     with pytest.raises(ValueError, match="two reports made with steps"):
         tg.compare(tg.analyse(_steps_trace(2, [("k", 10.0)], 50.0)), b)
+
+
+def _rounds_trace(kinds, pid=5, tid=6):
+    """Rounds back to back on one thread: a decode round is an outer worker frame with two
+    kernels of 3000 + 1000 us (a 500 us gap between them) launched from inside it; a prefill round
+    also holds an eager-extend frame and launches one 200 us kernel. A nested frame with the same
+    name (the target worker inside the spec worker) must not count as a round of its own."""
+    ev, t, corr = [], 0.0, 0
+    for kind in kinds:
+        host = 6000.0 if kind == "decode" else 40000.0
+        name = "sglang/srt/speculative/dflash_worker_v2.py(1399): forward_batch_generation"
+        ev.append({"ph": "X", "cat": "python_function", "name": name, "pid": pid, "tid": tid, "ts": t, "dur": host})
+        ev.append({"ph": "X", "cat": "python_function", "name": "tp_worker.py(529): forward_batch_generation",
+                   "pid": pid, "tid": tid, "ts": t + 10.0, "dur": host - 20.0})
+        if kind == "prefill":
+            ev.append({"ph": "X", "cat": "python_function", "name": "eager_runner.py(252): _execute_extend",
+                       "pid": pid, "tid": tid, "ts": t + 20.0, "dur": host - 40.0})
+        work = [(100.0, 3000.0), (3600.0, 1000.0)] if kind == "decode" else [(30000.0, 200.0)]
+        for off, dur in work:
+            corr += 1
+            ev += [_launch(t + 50.0 + corr, corr, pid, tid, name="cuLaunchKernelEx"), _kernel("k", t + off, dur, corr)]
+        t += host + 1000.0
+    # a launch from another thread inside a round is not the round's work
+    corr += 1
+    ev += [_launch(100.0, corr, pid, tid + 1), _kernel("other", 3200.0, 300.0, corr)]
+    return ev
+
+
+def test_rounds_separate_decode_from_prefill_and_compare_uses_decode_only(tmp_path):
+    ev = _rounds_trace(["decode", "decode", "prefill", "decode"])
+    r = tg.rounds(ev)
+    assert r["decode"]["rounds"] == 3 and r["prefill"]["rounds"] == 1
+    assert r["decode"]["busy_ms"] == pytest.approx(4.0) and r["decode"]["span_ms"] == pytest.approx(4.5)
+    assert r["decode"]["host_ms"] == pytest.approx(6.0)
+    assert r["prefill"]["busy_ms"] == pytest.approx(0.2) and r["prefill"]["host_ms"] == pytest.approx(40.0)
+    # start to start: decode rounds 0 and 1 are followed 7 ms later; round 1 -> the prefill's kernel at +30 ms
+    want_next = ((7000.0) + (7000.0 + 29900.0)) / 2 / 1e3
+    assert r["decode"]["start_to_start_ms"] == pytest.approx(want_next)
+    assert tg.rounds([e for e in ev if e["cat"] != "python_function"]) == {}
+    # compare: a trace with an extra prefill in its window still compares decode rounds alike
+    a = tg.analyse(_rounds_trace(["decode", "prefill", "decode", "decode"]), steps=4, top=50)
+    b = tg.analyse(_rounds_trace(["decode"] * 4), steps=4, top=50)
+    cmp = tg.compare(a, b)
+    assert cmp["decode_round"]["busy_ms"][2] == pytest.approx(0.0)
+    assert cmp["per_step_ms_diff"]["window"] > 5  # the per-step view is skewed by the prefill
+    assert "decode rounds only" in tg.render_compare(cmp, "a", "b")
