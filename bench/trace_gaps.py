@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import bisect
 import gzip
+import itertools
 import json
 import sys
 from collections import defaultdict
@@ -267,7 +268,7 @@ def rounds(events: list[dict], round_frame: str = ROUND_FRAME, prefill_markers=P
         _, busy, first, last = gpu_gaps(work, float("inf"))
         rows.append({"kind": kind, "host": (b - a) / 1e3, "span": (last - first) / 1e3, "busy": busy / 1e3,
                      "first": first})
-    for this, nxt in zip(rows, rows[1:]):
+    for this, nxt in itertools.pairwise(rows):
         this["next"] = (nxt["first"] - this["first"]) / 1e3
     out = {}
     for kind in ("decode", "prefill"):
