@@ -73,6 +73,7 @@ __all__ = [
     "tree_custom_mask",
     "tree_custom_mask_index",
     "tree_verify_attention",
+    "tree_verify_rows",
     "tree_verify_splits",
     "verify_greedy_reference",
     "verify_slots",
@@ -1624,12 +1625,17 @@ def move_kv_rows(rows: KVRows, tgt: Tensor, src: Tensor, backend: str = "auto") 
 # tree block under the ancestor mask and merges the partial softmaxes by log-sum-exp.
 
 _TREE_ATTN_ROWS = 64  # query rows (tree nodes x heads of a KV head) per program
+# ... and when that gives fewer programs than half the SMs (batch 1-2 at Qwen3-8B's heads): twice
+# the programs, 13.9 against 15.7 us a layer at batch 1 and a 128-key prefix, 41.8 against 48.7
+# at 3000 keys, while at batch 4 and 16 64 rows stay faster (26.3 / 86.3 against 31.2 / 111.6;
+# H100, bench/tree_attn_bench.py, BENCHMARKS.md fourteenth session).
+_TREE_ATTN_ROWS_SMALL = 32
 _TREE_ATTN_KEYS = 64  # keys per step
 _TREE_ATTN_MAX_SPLITS = 16
-# Warps per program: at 4 both kernels spill (255 registers and 280 / 928 bytes of stack a
-# thread for sm_90, a 64 x 128 float32 accumulator plus q, K and V tiles); at 8 the prefix
-# kernel needs 181 registers and no stack, the tree kernel 48 bytes (tests/triton_aot.py).
-_TREE_ATTN_WARPS = 8
+# Warps per program. At 4 both kernels spill on sm_90 (255 registers and 280 / 928 bytes of
+# stack a thread; at 8 the prefix kernel needs no stack), yet 4 measured faster in every case on
+# an H100 (8: 16.8 against 15.7 us a layer at batch 1, 132.8 against 86.3 at batch 16).
+_TREE_ATTN_WARPS = 4
 # Fewest prefix keys per split. The split count is fixed per batch size (a CUDA graph holds it),
 # but the prefix grows from a few dozen keys: at batch 1 (9 splits on 132 SMs) a 200-key prefix
 # split 9 ways gives programs of about 22 keys each plus a 9-step merge per row block, which
@@ -1640,10 +1646,7 @@ _TREE_ATTN_MIN_SPLIT_KEYS = 2 * _TREE_ATTN_KEYS
 _SM_COUNT: dict = {}
 
 
-def tree_verify_splits(bs: int, kv_heads: int, row_blocks: int, device: torch.device) -> int:
-    """Prefix splits per (request, KV head, row block): enough programs for about two waves
-    of the device's SMs, at most ``_TREE_ATTN_MAX_SPLITS`` (host arithmetic; a CUDA graph of
-    a given batch size always gets the same number)."""
+def _sm_count(device: torch.device) -> int:
     key = str(device)
     if key not in _SM_COUNT:
         _SM_COUNT[key] = (
@@ -1651,8 +1654,23 @@ def tree_verify_splits(bs: int, kv_heads: int, row_blocks: int, device: torch.de
             if device.type == "cuda"
             else 8
         )
+    return _SM_COUNT[key]
+
+
+def tree_verify_rows(bs: int, kv_heads: int, q_rows: int, device: torch.device) -> int:
+    """Query rows per program: ``_TREE_ATTN_ROWS``, or ``_TREE_ATTN_ROWS_SMALL`` when that gives
+    fewer programs than half the device's SMs (``q_rows``: tree nodes x query heads of a KV
+    head; host arithmetic, fixed per batch size like the split count)."""
+    programs = bs * kv_heads * -(-q_rows // _TREE_ATTN_ROWS)
+    return _TREE_ATTN_ROWS_SMALL if 2 * programs <= _sm_count(device) else _TREE_ATTN_ROWS
+
+
+def tree_verify_splits(bs: int, kv_heads: int, row_blocks: int, device: torch.device) -> int:
+    """Prefix splits per (request, KV head, row block): enough programs for about two waves
+    of the device's SMs, at most ``_TREE_ATTN_MAX_SPLITS`` (host arithmetic; a CUDA graph of
+    a given batch size always gets the same number)."""
     programs = max(1, bs * kv_heads * row_blocks)
-    return max(1, min(_TREE_ATTN_MAX_SPLITS, -(-2 * _SM_COUNT[key] // programs)))
+    return max(1, min(_TREE_ATTN_MAX_SPLITS, -(-2 * _sm_count(device) // programs)))
 
 
 def tree_verify_attention(
@@ -1690,7 +1708,8 @@ def tree_verify_attention(
             f"q {tuple(q.shape)} / k_tree {tuple(k_tree.shape)} do not fit bs={bs}, N={n}"
         )
     g = hq // hkv
-    rb = -(-(n * g) // _TREE_ATTN_ROWS)
+    rows = tree_verify_rows(bs, hkv, n * g, q.device)
+    rb = -(-(n * g) // rows)
     s = splits or tree_verify_splits(bs, hkv, rb, q.device)
     bd = max(16, _pow2(dim))  # tl.dot needs K >= 16
     if out is None:
@@ -1699,9 +1718,9 @@ def tree_verify_attention(
         return out
     if min_split_keys < 1:
         raise ValueError(f"min_split_keys={min_split_keys}: give 1 or more")
-    ws_o = torch.empty((bs, hkv, rb, s, _TREE_ATTN_ROWS, bd), dtype=torch.float32, device=q.device)
-    ws_lse = torch.empty((bs, hkv, rb, s, _TREE_ATTN_ROWS), dtype=torch.float32, device=q.device)
-    common = {"BLOCK_R": _TREE_ATTN_ROWS, "BLOCK_N": _TREE_ATTN_KEYS, "BLOCK_D": bd, "num_warps": _TREE_ATTN_WARPS}
+    ws_o = torch.empty((bs, hkv, rb, s, rows, bd), dtype=torch.float32, device=q.device)
+    ws_lse = torch.empty((bs, hkv, rb, s, rows), dtype=torch.float32, device=q.device)
+    common = {"BLOCK_R": rows, "BLOCK_N": _TREE_ATTN_KEYS, "BLOCK_D": bd, "num_warps": _TREE_ATTN_WARPS}
     ddtree_triton.tree_attn_prefix_kernel[(bs, hkv * rb, s)](
         q, k_buffer, v_buffer, kv_indptr, kv_indices, ws_o, ws_lse,
         n, g, dim, s, rb, min_split_keys,

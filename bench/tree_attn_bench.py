@@ -5,7 +5,7 @@ DFLASH's verify runs) on the same prefix.
 
 Why: at batch 1 the lifted-pair profile (BENCHMARKS.md, fourteenth session) measured the two
 tree-attention kernels at 27 us a layer against 14 us for DFLASH's extend kernel: 0.5 ms of b63's
-round on 36 layers. The settings tried are the rows per program (``_TREE_ATTN_ROWS``), the warps
+round on 36 layers. The settings tried are the rows per program (``_TREE_ATTN_ROWS``, and ``_TREE_ATTN_ROWS_SMALL`` where the programs are few), the warps
 per program (``_TREE_ATTN_WARPS``) and the fewest prefix keys per split
 (``_TREE_ATTN_MIN_SPLIT_KEYS``).
 
@@ -32,7 +32,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-SETTINGS = ("_TREE_ATTN_ROWS", "_TREE_ATTN_WARPS", "_TREE_ATTN_MIN_SPLIT_KEYS")
+SETTINGS = ("_TREE_ATTN_ROWS", "_TREE_ATTN_ROWS_SMALL", "_TREE_ATTN_WARPS", "_TREE_ATTN_MIN_SPLIT_KEYS")
 
 
 def parse_cases(text: str) -> list[tuple[int, int, int]]:
@@ -155,7 +155,7 @@ def measure_case(bs: int, n: int, plen: int, grid: list[dict], n_layers: int, re
         for setting in grid:
             for k, v in setting.items():
                 setattr(du, k, v)
-            tag = "r{}w{}k{}".format(*(setting[k] for k in SETTINGS))
+            tag = "r{}s{}w{}k{}".format(*(setting[k] for k in SETTINGS))
             try:
                 us = _graph_us(lambda: [tree(kb, vb) for kb, vb in layers], n_layers, reps)
                 tree(kb0, vb0)
@@ -175,8 +175,9 @@ def measure_case(bs: int, n: int, plen: int, grid: list[dict], n_layers: int, re
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default="1x64x128,1x64x600,1x64x3000,4x64x300,16x64x500")
-    ap.add_argument("--rows", default="64,32")
-    ap.add_argument("--warps", default="4,8")
+    ap.add_argument("--rows", default="64")
+    ap.add_argument("--rows-small", default="32,64", help="rows when the programs are fewer than half the SMs")
+    ap.add_argument("--warps", default="4")
     ap.add_argument("--min-split-keys", default="1,128")
     ap.add_argument("--layers", type=int, default=36)
     ap.add_argument("--reps", type=int, default=20)
@@ -185,7 +186,8 @@ def main() -> int:
     a = ap.parse_args()
     cases = parse_cases(a.cases)
     grid = [dict(zip(SETTINGS, v)) for v in itertools.product(
-        [int(x) for x in a.rows.split(",")], [int(x) for x in a.warps.split(",")],
+        [int(x) for x in a.rows.split(",")], [int(x) for x in a.rows_small.split(",")],
+        [int(x) for x in a.warps.split(",")],
         [int(x) for x in a.min_split_keys.split(",")])]
 
     import torch

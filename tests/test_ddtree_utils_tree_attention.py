@@ -49,7 +49,11 @@ def _case(seed, *, plens, n, hq, hkv, d, dtype, tree_from_ddtree=True):
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_tree_verify_attention_equals_the_reference(plens, n, hq, hkv, d, splits, dtype):
+@pytest.mark.parametrize("rows", [None, 16])  # the shipped choice; 16-row programs everywhere
+def test_tree_verify_attention_equals_the_reference(plens, n, hq, hkv, d, splits, dtype, rows, monkeypatch):
+    if rows is not None:
+        monkeypatch.setattr(du, "_TREE_ATTN_ROWS", rows)
+        monkeypatch.setattr(du, "_TREE_ATTN_ROWS_SMALL", rows)
     args = _case(sum(plens) + n, plens=plens, n=n, hq=hq, hkv=hkv, d=d, dtype=dtype)
     want = dr.tree_verify_attention_reference(*args, n, 0.37)
     tol = 1e-5 if dtype == torch.float32 else 2e-3
@@ -123,6 +127,12 @@ def test_a_short_prefix_uses_fewer_splits_and_leaves_the_others_unwritten(monkey
 def test_splits_fill_the_device_and_refusals():
     assert du.tree_verify_splits(1, 8, 1, torch.device("cpu")) == 2  # 16 programs for 8 "SMs"
     assert du.tree_verify_splits(64, 8, 4, torch.device("cpu")) == 1
+    # rows per program: the small blocks while the programs are at most half the 8 "SMs"
+    cpu = torch.device("cpu")
+    assert du.tree_verify_rows(1, 2, 64, cpu) == du._TREE_ATTN_ROWS_SMALL  # 2 programs
+    assert du.tree_verify_rows(1, 2, 256, cpu) == du._TREE_ATTN_ROWS  # 8 programs
+    assert du.tree_verify_rows(4, 1, 64, cpu) == du._TREE_ATTN_ROWS_SMALL
+    assert du.tree_verify_rows(5, 1, 64, cpu) == du._TREE_ATTN_ROWS
     q, kb, vb, indptr, indices, kt, vt, full, mask_indptr = _case(
         1, plens=(5, 6), n=4, hq=4, hkv=2, d=8, dtype=torch.float32
     )

@@ -40,7 +40,8 @@ def test_apply_rewrites_the_constants_of_a_ddtree_utils_copy(tmp_path, monkeypat
     copy = tmp_path / "ddtree_utils.py"
     shutil.copy(ROOT / "ddtree_utils.py", copy)
     shutil.copy(ROOT / "ddtree_triton.py", tmp_path / "ddtree_triton.py")
-    setting = {"_TREE_ATTN_ROWS": 32, "_TREE_ATTN_WARPS": 4, "_TREE_ATTN_MIN_SPLIT_KEYS": 256}
+    setting = {"_TREE_ATTN_ROWS": 32, "_TREE_ATTN_ROWS_SMALL": 16, "_TREE_ATTN_WARPS": 8,
+               "_TREE_ATTN_MIN_SPLIT_KEYS": 256}
     tab.apply_setting(copy, setting)
     monkeypatch.syspath_prepend(str(tmp_path))
     spec = importlib.util.spec_from_file_location("ddtree_utils_applied", copy)
@@ -51,7 +52,7 @@ def test_apply_rewrites_the_constants_of_a_ddtree_utils_copy(tmp_path, monkeypat
     before = (ROOT / "ddtree_utils.py").read_text().splitlines()
     after = copy.read_text().splitlines()
     assert len(before) == len(after)
-    assert [i for i, (x, y) in enumerate(zip(before, after)) if x != y].__len__() == 3
+    assert sum(x != y for x, y in zip(before, after)) == 4
     # a constant the file does not have: an error, the file as it was
     text = copy.read_text()
     with pytest.raises(SystemExit, match="_NO_SUCH"):

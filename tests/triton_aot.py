@@ -98,6 +98,7 @@ TREE_ATTN_TREE = {"q_ptr": "*bf16", "kt_ptr": "*bf16", "vt_ptr": "*bf16", "indpt
                   "kt_s1": "i32", "vt_s0": "i32", "vt_s1": "i32", "o_s0": "i32", "o_s1": "i32",
                   "sm_scale": "fp32"}  # fmt: skip
 TREE_ATTN_CONSTS = {"BLOCK_R": du._TREE_ATTN_ROWS, "BLOCK_N": du._TREE_ATTN_KEYS, "BLOCK_D": 128}
+TREE_ATTN_SMALL = {**TREE_ATTN_CONSTS, "BLOCK_R": du._TREE_ATTN_ROWS_SMALL}
 KV_MOVE = {"ptrs_ptr": "*i64", "row_bytes_ptr": "*i64", "tgt_ptr": "*i64", "src_ptr": "*i64",
            "K": "i32"}  # fmt: skip
 
@@ -128,6 +129,8 @@ CASES = [
     # the tree-verify attention at head dim 128, bf16 (Qwen3 shapes)
     (dt.tree_attn_prefix_kernel, TREE_ATTN_PREFIX, TREE_ATTN_CONSTS, du._TREE_ATTN_WARPS),
     (dt.tree_attn_tree_kernel, TREE_ATTN_TREE, TREE_ATTN_CONSTS, du._TREE_ATTN_WARPS),
+    (dt.tree_attn_prefix_kernel, TREE_ATTN_PREFIX, TREE_ATTN_SMALL, du._TREE_ATTN_WARPS),
+    (dt.tree_attn_tree_kernel, TREE_ATTN_TREE, TREE_ATTN_SMALL, du._TREE_ATTN_WARPS),
 ]
 
 
