@@ -328,8 +328,10 @@ def test_acceptance_run_orders_its_levels(tmp_path, order):
     "env,want,unwanted",
     [
         ({}, ["--cuda-graph-backend-prefill disabled", "--cuda-graph-max-bs-decode"], ["--cuda-graph-max-bs-prefill"]),
-        ({"PREFILL_GRAPHS": "1"}, ["--cuda-graph-max-bs-prefill 512"], ["--cuda-graph-backend-prefill"]),
-        ({"PREFILL_GRAPHS": "1", "PREFILL_GRAPH_MAX": "1024"}, ["--cuda-graph-max-bs-prefill 1024"], []),
+        ({"PREFILL_GRAPHS": "1"}, ["--cuda-graph-max-bs-prefill 512", "--cuda-graph-bs-prefill 1 2 4 8 16 32 64 128 256 512 "],
+         ["--cuda-graph-backend-prefill"]),
+        ({"PREFILL_GRAPHS": "1", "PREFILL_GRAPH_MAX": "64"}, ["--cuda-graph-max-bs-prefill 64",
+                                                              "--cuda-graph-bs-prefill 1 2 4 8 16 32 64 "], ["128"]),
         ({"PIN": "0.5.13.post1", "PREFILL_GRAPHS": "1"}, ["--disable-piecewise-cuda-graph", "--cuda-graph-max-bs"],
          ["prefill", "decode"]),
     ],
