@@ -363,6 +363,9 @@ def main() -> int:
     ap.add_argument("--exactness-only", action="store_true",
                     help="greedy equality check only (no timing levels); e.g. with --dtype float32 --pair DIR")
     ap.add_argument("--budget-s", type=float, default=540.0, help="whole-run deadline; levels left are skipped")
+    ap.add_argument("--plain-last", action="store_true",
+                    help="measure plain after the speculative servers (a deadline then drops plain's levels first; "
+                         "the fourteenth session lost DFLASH's and b63's c = 1 levels behind plain's 32 requests)")
     ap.add_argument("--ddtree-first", action="store_true",
                     help="start the DDTREE servers first and the others once they are up: each DDTREE server sizes its "
                          "verify forward from the memory free at its start, which servers sharing the GPU would take")
@@ -474,10 +477,13 @@ def main() -> int:
         auto_levels: dict = {}  # auto servers: {name: {T: {c: rounds per option}}}
         auto_final: dict = {}  # auto servers: {name: {T: the controller's snapshot after the levels}}
         blocks = [(t, s) for t in temps for s in servers if s.startup_s is not None]  # results' order
+        # --plain-last: plain after the speculative servers at each temperature (and concurrency),
+        # so a deadline drops plain's levels, the slowest at c = 1, before DFLASH's and DDTREE's
+        measure = sorted(blocks, key=lambda b: (temps.index(b[0]), b[1].name == "plain")) if a.plain_last else blocks
         if a.order == "temps-first":  # each server's levels at one temperature, then the next
-            schedule = [(t, s, c) for t, s in blocks for c in levels]
+            schedule = [(t, s, c) for t, s in measure for c in levels]
         else:  # conc-first: every server and temperature at c, then the next c (a deadline cuts high c)
-            schedule = [(t, s, c) for c in levels for t, s in blocks]
+            schedule = [(t, s, c) for c in levels for t, s in measure]
         runs = {(t, s.name): B.ServerResult(target=s.url, label=s.name, url=s.url, group=f"T={t:g}")
                 for t, s in blocks}
         snaps: dict = {}

@@ -13,6 +13,7 @@
 # the requests per level in multiples of the concurrency (2 left two runs of a c >= 16 level up to 11 % apart);
 # ORDER=conc-first measures every server and temperature at c = 1 first, so a deadline drops high c
 # (temps-first, the default, keeps auto's controller on one temperature for all its levels).
+# Plain is measured after the speculative servers at each level (--plain-last).
 # TUNE_TREE_ATTN=1 first runs bench/tree_attn_bench.py and serves its fastest setting at batch 1.
 # PIN=0.5.13.post1 (carry that pin's site and overlay instead) runs the v1 worker with its own
 # graph flags; its default budgets are 63 with plain and DFLASH (auto is a 0.5.16 feature).
@@ -34,7 +35,7 @@ elif [ "$mem" -gt 100000 ]; then budgets=15,auto+off; without=(); else budgets=a
 budgets=${BUDGETS:-$budgets}
 if [ -n "${WITHOUT+set}" ]; then without=(); [ -n "$WITHOUT" ] && without=(--without "$WITHOUT"); fi
 python3 "$here/acceptance_run.py" --out "$out/acc" --pin "$pin" --pair /tmp/lifted --concurrency "$conc" \
-  --budgets "$budgets" "${without[@]}" --waves "${WAVES:-2}" --order "${ORDER:-temps-first}" --ddtree-first --phase-times --budget-s "$budget_s" \
+  --budgets "$budgets" "${without[@]}" --waves "${WAVES:-2}" --order "${ORDER:-temps-first}" --ddtree-first --plain-last --phase-times --budget-s "$budget_s" \
   --common "$common --max-total-tokens 24576 $graph_bs 64 --max-running-requests 64" 2>&1 \
   | grep -v "start \|^\s*$" | tail -40
 exit "${PIPESTATUS[0]}"

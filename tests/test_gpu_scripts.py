@@ -285,12 +285,14 @@ def test_acceptance_run_prints_same_run_ratios_against_dflash_and_the_best_fixed
     assert ar.same_run_ratios(doc, "T=1") == []
 
 
-@pytest.mark.parametrize("order", ["temps-first", "conc-first"])
-def test_acceptance_run_orders_its_levels(tmp_path, order):
+@pytest.mark.parametrize("order,plain_last", [("temps-first", False), ("conc-first", False), ("conc-first", True),
+                                              ("temps-first", True)])
+def test_acceptance_run_orders_its_levels(tmp_path, order, plain_last):
     """--order temps-first measures each server's levels at one temperature, then the next;
     conc-first every server and temperature at one concurrency, then the next, so a deadline
     drops the highest concurrencies rather than the last servers' T = 1 (the thirteenth session
-    lost b63's T = 1 that way). Either way results.json holds every (server, temperature) with
+    lost b63's T = 1 that way); --plain-last measures plain after the others at each temperature
+    and concurrency. Either way results.json holds every (server, temperature) in server order, with
     its levels in concurrency order. The servers are TEST DOUBLES (tests/bench_fake_sglang.py,
     attached at their ports): SGLang needs a GPU."""
     import json
@@ -305,17 +307,20 @@ def test_acceptance_run_orders_its_levels(tmp_path, order):
     base = serve_in_a_row(fakes, first=37100)
     try:
         out, r = _acceptance_run_attached(tmp_path, base, "--budgets", "63", "--concurrency", "1,4", "--max-new-tokens",
-                                          "8", "--order", order, "--log-dir", str(tmp_path / "logs"))
+                                          "8", "--order", order, "--log-dir", str(tmp_path / "logs"),
+                                          *(["--plain-last"] if plain_last else []))
         assert r.returncode == 0, r.stderr[-3000:]
     finally:
         for f in fakes:
             f.stop()
     measured = re.findall(r"\] (plain|DFLASH|DDTREE b63) T=(\d) c=(\d+):", r.stderr)
     blocks = [(n, t) for t in "01" for n in ("plain", "DFLASH", "DDTREE b63")]
+    names = ("DFLASH", "DDTREE b63", "plain") if plain_last else ("plain", "DFLASH", "DDTREE b63")
+    measured_blocks = [(n, t) for t in "01" for n in names]
     if order == "temps-first":
-        want = [(n, t, c) for n, t in blocks for c in ("1", "4")]
+        want = [(n, t, c) for n, t in measured_blocks for c in ("1", "4")]
     else:
-        want = [(n, t, c) for c in ("1", "4") for n, t in blocks]
+        want = [(n, t, c) for c in ("1", "4") for n, t in measured_blocks]
     assert measured == want
     res = json.loads((out / "results.json").read_text())
     assert [(s["label"], s["group"]) for s in res["servers"]] == [(n, f"T={t}") for n, t in blocks]
