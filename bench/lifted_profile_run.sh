@@ -17,3 +17,10 @@ lifted_setup "$out" "$site" "$pair_tar" "$overlay" || exit 1
 python3 "$here/round_profile.py" --out "$out/prof" --pin "$pin" --pair /tmp/lifted --budgets "${BUDGETS:-63}" \
   --steps "${STEPS:-30}" --temperature "${TEMP:-0}" --log-dir /tmp/round-profile-logs --trace-timeout 240 \
   --common "$common --max-total-tokens 16384 $graph_bs 8 --max-running-requests 8" 2>&1 | tail -120
+rc=${PIPESTATUS[0]}
+# The device returns a handful of files from $OUT: one archive of the per-configuration folders
+# (gaps.json / gaps.txt / the kept traces) beside round_profile.json and the comparisons.
+if compgen -G "$out/prof/*/" > /dev/null; then
+  (cd "$out/prof" && tar -czf ../prof-details.tgz -- */ && rm -rf -- */)
+fi
+exit "$rc"
