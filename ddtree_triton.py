@@ -522,7 +522,7 @@ def _sample_row(
                         if nb > 0:
                             at = n_buf + tl.cumsum(band.to(tl.int32), axis=0) - 1
                             tl.store(buf_row + at, s, mask=band)
-                            n_buf += nb - 1
+                            n_buf += nb
                     tl.debug_barrier()  # every warp's copy is in place before any reads it
                 elif (n_buf > SBLOCK) & (inside > 0) & (4 * n_band <= n_buf):
                     # the buffer's bracket shrank 4-fold: keep only [lo, hi], in place
@@ -540,7 +540,7 @@ def _sample_row(
                             at = n_keep + tl.cumsum(band.to(tl.int32), axis=0) - 1
                             tl.store(buf_row + at, ss, mask=band)
                             n_keep += nb
-                    n_buf = n_keep
+                    n_buf = n_keep // 2
                     tl.debug_barrier()
         thr_key = tl.where(search, hi, lo + 1)
     thr = tl.where(sample, _value_of(thr_key), peak)
