@@ -540,7 +540,7 @@ def _sample_row(
                             at = n_keep + tl.cumsum(band.to(tl.int32), axis=0) - 1
                             tl.store(buf_row + at, ss, mask=band)
                             n_keep += nb
-                    n_buf = n_keep // 2
+                    n_buf = n_keep
                     tl.debug_barrier()
         thr_key = tl.where(search, hi, lo + 1)
     thr = tl.where(sample, _value_of(thr_key), peak)
