@@ -88,6 +88,22 @@ MUTATIONS = (
          "tests/sglang_v2/test_v2_pin.py::test_the_016_pin_on_cpu"),
         "per-request sampling parameters expanded to verify rows request-major instead of node-major",
     ),
+    Mutation(
+        "tree-attention-merges-every-split",
+        "ddtree_triton.py",
+        "    used = _tree_attn_splits(plen, S, MINK)[1]\n",
+        "    used = S\n",
+        ("tests/test_ddtree_utils_tree_attention.py::test_a_short_prefix_uses_fewer_splits_and_leaves_the_others_unwritten",),
+        "the tree-verify merge reads split slots a short prefix never wrote",
+    ),
+    Mutation(
+        "tree-attention-ignores-min-split-keys",
+        "ddtree_triton.py",
+        "    per = tl.maximum(tl.cdiv(plen, S), MINK)\n",
+        "    per = tl.cdiv(plen, S)\n",
+        ("tests/test_ddtree_utils_tree_attention.py::test_a_short_prefix_uses_fewer_splits_and_leaves_the_others_unwritten",),
+        "a short prefix is cut into every split again (the minimum keys a split ignored)",
+    ),
 )
 # Caught inside its own test, not applied here: a 0.5.16 build whose KV path gather is flipped
 # fails gate 6 (tests/test_pins.py::test_gate_6_uses_the_sglang_of_the_pin builds that build).
