@@ -1707,6 +1707,8 @@ def tree_verify_attention(
         raise ValueError(
             f"q {tuple(q.shape)} / k_tree {tuple(k_tree.shape)} do not fit bs={bs}, N={n}"
         )
+    if min_split_keys < 1:
+        raise ValueError(f"min_split_keys={min_split_keys}: give 1 or more")
     g = hq // hkv
     rows = tree_verify_rows(bs, hkv, n * g, q.device)
     rb = -(-(n * g) // rows)
@@ -1716,8 +1718,6 @@ def tree_verify_attention(
         out = torch.empty_like(q)
     if bs == 0:
         return out
-    if min_split_keys < 1:
-        raise ValueError(f"min_split_keys={min_split_keys}: give 1 or more")
     ws_o = torch.empty((bs, hkv, rb, s, rows, bd), dtype=torch.float32, device=q.device)
     ws_lse = torch.empty((bs, hkv, rb, s, rows), dtype=torch.float32, device=q.device)
     common = {"BLOCK_R": rows, "BLOCK_N": _TREE_ATTN_KEYS, "BLOCK_D": bd, "num_warps": _TREE_ATTN_WARPS}

@@ -256,10 +256,12 @@ def rounds(events: list[dict], round_frame: str = ROUND_FRAME, prefill_markers=P
     launches = sorted((e for e in events if e.get("cat") in LAUNCH_CATS and "correlation" in e.get("args", {})),
                       key=lambda e: float(e["ts"]))
     launch_ts = [float(e["ts"]) for e in launches]
+    frame_ts = [float(e["ts"]) for e in frames]
     rows = []
     for r in outer:
         a, b = _interval(r)
-        inside = [f for f in frames if f.get("tid") == r.get("tid") and a <= float(f["ts"]) < b]
+        inside = [f for f in frames[bisect.bisect_left(frame_ts, a):bisect.bisect_left(frame_ts, b)]
+                  if f.get("tid") == r.get("tid")]
         kind = "prefill" if any(m in f["name"] for f in inside for m in prefill_markers) else "decode"
         work = [g for lo in launches[bisect.bisect_left(launch_ts, a):bisect.bisect_right(launch_ts, b)]
                 if lo.get("tid") == r.get("tid") for g in gpu_by_corr.get(lo["args"]["correlation"], ())]

@@ -114,7 +114,7 @@ def measure_case(bs: int, n: int, plen: int, grid: list[dict], n_layers: int, re
     slots = bs * plen + 64
     layers = [tuple(torch.randn(slots, hkv, dim, device="cuda", generator=gen).to(torch.bfloat16)
                     for _ in range(2)) for _ in range(n_layers)]
-    indptr = (torch.arange(bs + 1, dtype=torch.int32, device="cuda") * plen).to(torch.int32)
+    indptr = torch.arange(bs + 1, dtype=torch.int32, device="cuda") * plen
     indices = torch.randperm(slots - 1, device="cuda", generator=gen)[: bs * plen] + 1
     q, kt, vt = (torch.randn(bs * n, h, dim, device="cuda", generator=gen).to(torch.bfloat16)
                  for h in (hq, hkv, hkv))

@@ -120,8 +120,10 @@ def test_a_short_prefix_uses_fewer_splits_and_leaves_the_others_unwritten(monkey
     written = ~torch.isnan(ws_lse[:, 0, 0, :, 0])
     # 0 keys: no split; 40 keys: ceil(40 / 32) = 2 splits of 32 + 8; 100: 4 splits of 32 + 4
     assert written.tolist() == [[False] * 4, [True, True, False, False], [True] * 4]
-    with pytest.raises(ValueError, match="min_split_keys"):
-        du.tree_verify_attention(*args, n, 0.5, min_split_keys=0)
+    untouched = torch.full_like(want, 7.0)
+    with pytest.raises(ValueError, match="min_split_keys=0: give 1 or more"):
+        du.tree_verify_attention(*args, n, 0.5, out=untouched, min_split_keys=0)
+    assert torch.equal(untouched, torch.full_like(want, 7.0))
 
 
 def test_splits_fill_the_device_and_refusals():
