@@ -529,6 +529,8 @@ def main() -> int:
                     snaps[key] = after
                 log(f"{s.name} T={t:g} c={c}: {lv.output_tokens_per_s} tok/s, accept {lv.accept_length}, "
                     f"round {lv.per_round_ms} ms, p50 {lv.latency_p50_ms} ms, errors {len(lv.errors)}"
+                    + (f", fit {lv.fit_request_ms} ms a request + {lv.fit_round_ms} ms a round"
+                       if lv.fit_round_ms is not None else "")
                     + (f", rounds per option {chosen}" if is_auto else ""))
             if c == levels[-1]:
                 finish(t, s)

@@ -118,6 +118,28 @@ def test_summarize_matches_an_independent_computation():
     assert lv.per_round_ms == pytest.approx(want_round, abs=1e-3)
 
 
+def test_latency_fit_recovers_a_line_and_splits_request_from_round_cost():
+    np = pytest.importorskip("numpy")
+    rng = random.Random(3)
+    fixed_ms, round_ms = 31.0, 9.5  # a request's once-only cost and each round's
+    res = []
+    for _ in range(32):
+        v = rng.randint(18, 34)
+        res.append(B.RequestResult((fixed_ms + round_ms * v + rng.gauss(0, 0.5)) / 1000.0, 128, v))
+    lv = B.summarize(1, res, wall_s=10.0)
+    xs = np.array([r.verify_ct for r in res], float)
+    ys = np.array([r.latency_s * 1000 for r in res])
+    slope, intercept = np.polyfit(xs, ys, 1)  # the independent least-squares line
+    assert lv.fit_round_ms == pytest.approx(slope, abs=1e-3)
+    assert lv.fit_request_ms == pytest.approx(intercept, abs=1e-2)
+    assert abs(lv.fit_round_ms - round_ms) < 0.2 and abs(lv.fit_request_ms - fixed_ms) < 5
+    # no fit where the rounds do not vary, for plain decode, or with fewer than 4 requests
+    same = [B.RequestResult(0.3, 128, 30) for _ in range(8)]
+    assert B.summarize(1, same, 2.4).fit_round_ms is None
+    assert B.summarize(1, [B.RequestResult(0.8, 128, None)] * 8, 6.4).fit_request_ms is None
+    assert B.latency_fit([(1.0, 2.0), (2.0, 3.0), (3.0, 4.0)]) is None
+
+
 def test_percentile_matches_numpy():
     np = pytest.importorskip("numpy")
     rng = random.Random(1)

@@ -21,7 +21,11 @@ each one ``POST /generate`` with ``input_ids`` or ``text``):
   averaged over requests. At concurrency ``c`` this is about the wall time of one batched
   scheduler step with ``c`` requests in it (draft + verify for a speculative server);
 * ``latency_p50_ms`` / ``latency_p99_ms``: request latency percentiles (linear interpolation
-  between closest ranks, as numpy's default).
+  between closest ranks, as numpy's default);
+* ``fit_request_ms`` / ``fit_round_ms``: the least-squares line latency = fixed + round x
+  verify rounds over a speculative level's requests (:func:`latency_fit`), which splits what a
+  request pays once (its prefill, scheduling, HTTP) from what it pays a round; absent (None)
+  when the requests' round counts do not vary (plain decode, or fewer than 4 requests).
 
 The server-wide ``avg_spec_accept_length`` of ``/get_server_info`` (cumulative since the server
 started, ``managers/scheduler.py`` ``get_internal_state``) is recorded per server next to the
@@ -89,6 +93,8 @@ class LevelResult:
     latency_p50_ms: float | None
     latency_p99_ms: float | None
     latency_mean_ms: float | None
+    fit_request_ms: float | None = None
+    fit_round_ms: float | None = None
 
 
 @dataclass
@@ -163,6 +169,21 @@ def percentile(values: list[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
+def latency_fit(points: list[tuple[float, float]]) -> tuple[float, float] | None:
+    """Least-squares ``(intercept, slope)`` of ``y = intercept + slope * x`` over ``(x, y)``
+    points; None for fewer than 4 points or when every ``x`` is the same."""
+    if len(points) < 4:
+        return None
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    if sxx <= 1e-12 * max(1.0, mx * mx):
+        return None
+    slope = sum((x - mx) * (y - my) for x, y in points) / sxx
+    return my - slope * mx, slope
+
+
 def summarize(concurrency: int, results: list[RequestResult], wall_s: float) -> LevelResult:
     ok = [r for r in results if r.error is None]
     errors = [r.error for r in results if r.error is not None]
@@ -175,6 +196,7 @@ def summarize(concurrency: int, results: list[RequestResult], wall_s: float) -> 
         accept = sum(r.completion_tokens for r in spec) / rounds
         per_round = (sum(r.completion_tokens for r in spec) - len(spec)) / rounds
     forwards = [(r.latency_s * 1000.0) / ((1 + r.verify_ct) if r.verify_ct else max(1, r.completion_tokens)) for r in ok]
+    fit = latency_fit([(float(r.verify_ct), r.latency_s * 1000.0) for r in spec]) if spec and len(spec) == len(ok) else None
     return LevelResult(
         concurrency=concurrency, requests=len(results), ok_requests=len(ok), errors=errors[:5],
         wall_s=round(wall_s, 6), output_tokens=tokens,
@@ -186,6 +208,8 @@ def summarize(concurrency: int, results: list[RequestResult], wall_s: float) -> 
         latency_p50_ms=round(percentile(lat, 50), 3) if lat else None,
         latency_p99_ms=round(percentile(lat, 99), 3) if lat else None,
         latency_mean_ms=round(sum(lat) / len(lat), 3) if lat else None,
+        fit_request_ms=round(fit[0], 3) if fit else None,
+        fit_round_ms=round(fit[1], 4) if fit else None,
     )
 
 
