@@ -52,18 +52,13 @@ except ImportError:  # the GPU machine has the checkout, not the installed toolk
     sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)
     _spec.loader.exec_module(sys.modules[_spec.name])
     from ddtree_deploy.deploy.remote import bench as B  # noqa: E402
+sys.path.insert(0, str(ROOT / "bench"))
+import pin_flags as PF  # noqa: E402
 
-COMMON = ("--skip-tokenizer-init --sampling-backend pytorch --disable-piecewise-cuda-graph "
-          "--grammar-backend none --mem-fraction-static 0.85 --max-total-tokens 65536 --cuda-graph-max-bs 32 "
-          "--max-running-requests 32 --random-seed 0")
-# Per pin: 0.5.16 runs the v2 worker with the overlap scheduler on (its default) and names its
-# graph flags differently (tests/gpu/ddtree_e2e.py uses the same split).
-COMMON_BY_PIN = {
-    "0.5.13.post1": COMMON,
-    "0.5.16": ("--skip-tokenizer-init --sampling-backend pytorch --cuda-graph-backend-prefill disabled "
-               "--grammar-backend none --mem-fraction-static 0.85 --max-total-tokens 65536 "
-               "--cuda-graph-max-bs-decode 32 --max-running-requests 32 --random-seed 0"),
-}
+# Per pin (bench/pin_flags.py): 0.5.16 runs the v2 worker with the overlap scheduler on (its
+# default) and names its graph flags differently; this script's caps on top.
+COMMON_BY_PIN = {pin: PF.common(pin, skip_tokenizer_init=True, mem_fraction=0.85, max_total_tokens=65536,
+                                max_bs=32, max_running=32) for pin in PF.PINS}
 
 
 def log(msg: str) -> None:

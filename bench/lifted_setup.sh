@@ -26,21 +26,13 @@ lifted_setup() {
   echo "lifted $small at $(date +%T)"
 }
 
-# pin (PIN, default 0.5.16), common and graph_bs as device_setup sets them (no GPU needed).
+# pin (PIN, default 0.5.16), common and graph_bs as device_setup sets them (no GPU needed), from
+# bench/pin_flags.py (the flags of every device script, per pin). Prefill runs eager in every run
+# up to the thirteenth session; PREFILL_GRAPHS=1 keeps 0.5.16's own prefill graph (breakable) for
+# 1, 2, 4, ... PREFILL_GRAPH_MAX tokens (default 512; 0.5.13.post1 keeps prefill eager).
 pin_flags() {
-  pin=${PIN:-0.5.16}
-  common="--skip-tokenizer-init --sampling-backend pytorch --grammar-backend none --mem-fraction-static 0.9 --random-seed 0"
-  # Prefill runs eager in every run up to the thirteenth session (as on 0.5.13.post1, where the
-  # piecewise graph was turned off); PREFILL_GRAPHS=1 keeps 0.5.16's default prefill graph
-  # (breakable), for 1, 2, 4, ... PREFILL_GRAPH_MAX tokens (default 512). The default sizes start
-  # at 4 and a replay may pad at most 2x, so the 1-token prefill of a prompt already in the radix
-  # cache (every timed request of a level) ran eager: 50 of 52 eager prefills in the fourteenth
-  # session's call 2.
-  if [ "$pin" = 0.5.16 ]; then graph_bs=--cuda-graph-max-bs-decode
-    if [ "${PREFILL_GRAPHS:-0}" = 1 ]; then
-      local max=${PREFILL_GRAPH_MAX:-512} sizes="" t=1
-      while [ "$t" -le "$max" ]; do sizes+=" $t"; t=$((t * 2)); done
-      common+=" --cuda-graph-max-bs-prefill $max --cuda-graph-bs-prefill$sizes"
-    else common+=" --cuda-graph-backend-prefill disabled"; fi
-  else common+=" --disable-piecewise-cuda-graph"; graph_bs=--cuda-graph-max-bs; fi
+  local max=0 assign
+  [ "${PREFILL_GRAPHS:-0}" = 1 ] && max=${PREFILL_GRAPH_MAX:-512}
+  assign=$(python3 "$(dirname "${BASH_SOURCE[0]}")/pin_flags.py" --shell --pin "${PIN:-0.5.16}" --prefill-graph-max "$max") || return 1
+  eval "$assign"
 }

@@ -29,6 +29,10 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import pin_flags as PF  # noqa: E402
 
 TARGET = {
     "architectures": ["Qwen3ForCausalLM"],
@@ -58,18 +62,9 @@ DRAFT = dict(
     num_target_layers=36,
     dflash_config={"target_layer_ids": [1, 9, 17, 25, 33], "mask_token_id": 151669, "block_size": 16},
 )
-COMMON_BY_PIN = {
-    "0.5.13.post1": (
-        "--sampling-backend pytorch --disable-piecewise-cuda-graph --grammar-backend none "
-        "--mem-fraction-static 0.9 --max-total-tokens 40000 --cuda-graph-max-bs 32 "
-        "--max-running-requests 32 --random-seed 0"
-    ),
-    "0.5.16": (
-        "--sampling-backend pytorch --cuda-graph-backend-prefill disabled --grammar-backend none "
-        "--mem-fraction-static 0.9 --max-total-tokens 40000 --cuda-graph-max-bs-decode 32 "
-        "--max-running-requests 32 --random-seed 0"
-    ),
-}
+# bench/pin_flags.py's flags with this script's caps
+COMMON_BY_PIN = {pin: PF.common(pin, mem_fraction=0.9, max_total_tokens=40000, max_bs=32, max_running=32)
+                 for pin in PF.PINS}
 SPEC = "--speculative-algorithm {algo} --speculative-draft-model-path {draft}"
 CONFIGS = {
     "plain": "",

@@ -329,6 +329,53 @@ def test_acceptance_run_orders_its_levels(tmp_path, order, plain_last):
                for s in res["servers"])
 
 
+def _load_by_path(name: str, path: Path):
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # dataclasses look their module up
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        del sys.modules[name]
+    return mod
+
+
+def test_every_device_script_takes_its_server_flags_from_pin_flags():
+    """One table of per-pin server flags (bench/pin_flags.py): acceptance_run, round_cost and
+    ddtree_e2e build theirs from it (only their size caps differ), every flag each of them names
+    exists in that pin's vendored server_args.py, and the graph flag names follow the pin."""
+    root = Path(__file__).resolve().parents[1]
+    pf = _load_by_path("pin_flags_t", root / "bench" / "pin_flags.py")
+    tables = {
+        "acceptance_run": _load_by_path("acceptance_run_pf", root / "bench" / "acceptance_run.py").COMMON_BY_PIN,
+        "round_cost": _load_round_cost().COMMON_BY_PIN,
+        "ddtree_e2e": _load_by_path("ddtree_e2e_pf", root / "tests" / "gpu" / "ddtree_e2e.py").COMMON_ARGS_BY_PIN,
+    }
+    for name, table in tables.items():
+        assert sorted(table) == sorted(pf.PINS), name
+        for pin, flags in table.items():
+            source = (root / "snapshot" / f"sglang-{pin}" / "srt" / "server_args.py").read_text()
+            for flag in re.findall(r"--[a-z0-9-]+", flags):
+                assert flag[2:].replace("-", "_") in source, (name, pin, flag)
+            assert flags.startswith(("--skip-tokenizer-init " + pf.BASE, pf.BASE)), (name, flags)
+            assert f"{pf.DECODE_GRAPH_BS[pin]} " in flags and pf.PREFILL_GRAPH_OFF[pin] in flags, (name, pin)
+            other = [p for p in pf.PINS if p != pin][0]
+            assert pf.PREFILL_GRAPH_OFF[other] not in flags, (name, pin)
+    # the prefill graph sizes, and a bad pin or size refused
+    assert pf.prefill_graph_sizes(1) == [1] and pf.prefill_graph_sizes(100) == [1, 2, 4, 8, 16, 32, 64]
+    assert pf.graph_flags("0.5.13.post1", 512) == "--disable-piecewise-cuda-graph"  # eager prefill on the v1 pin
+    with pytest.raises(ValueError, match="0.5.17"):
+        pf.common("0.5.17")
+    with pytest.raises(ValueError, match=">= 1"):
+        pf.prefill_graph_sizes(0)
+    r = subprocess.run(["python3", str(root / "bench" / "pin_flags.py"), "--prefill-graph-max", "-1"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "--prefill-graph-max must be >= 0" in r.stderr
+
+
 @pytest.mark.parametrize(
     "env,want,unwanted",
     [

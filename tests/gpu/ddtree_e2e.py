@@ -72,21 +72,24 @@ def model_configs(vocab: int) -> tuple[dict, dict]:
 
 
 PROMPT_LENS = (3, 9, 26, 48, 77, 120, 191, 260, 14, 33)
-COMMON_ARGS = (
-    "--sampling-backend pytorch --disable-piecewise-cuda-graph --grammar-backend none "
-    "--mem-fraction-static 0.9 --max-total-tokens 65536 --cuda-graph-max-bs 16 "
-    "--max-running-requests 16 --random-seed 0"
-)
+
+def _load_pin_flags():
+    """bench/pin_flags.py (the server flags of every device script, per pin), loaded by path."""
+    path = Path(__file__).resolve().parents[2] / "bench" / "pin_flags.py"
+    spec = importlib.util.spec_from_file_location("ddtree_pin_flags", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+PF = _load_pin_flags()
+# 0.5.16: overlap scheduler on (default); 48 running requests so the 40 concurrent requests batch
+# together; graphs up to batch 32 (larger batches run eagerly).
 COMMON_ARGS_BY_PIN = {
-    "0.5.13.post1": COMMON_ARGS,
-    # 0.5.16: overlap scheduler on (default); 48 running requests so the 40 concurrent
-    # requests batch together; graphs up to batch 32 (larger batches run eagerly).
-    "0.5.16": (
-        "--sampling-backend pytorch --cuda-graph-backend-prefill disabled "
-        "--grammar-backend none --mem-fraction-static 0.9 --max-total-tokens 65536 "
-        "--cuda-graph-max-bs-decode 32 --max-running-requests 48 --random-seed 0"
-    ),
+    "0.5.13.post1": PF.common("0.5.13.post1", mem_fraction=0.9, max_total_tokens=65536, max_bs=16, max_running=16),
+    "0.5.16": PF.common("0.5.16", mem_fraction=0.9, max_total_tokens=65536, max_bs=32, max_running=48),
 }
+COMMON_ARGS = COMMON_ARGS_BY_PIN["0.5.13.post1"]
 STOP_TOKEN = 5
 
 
