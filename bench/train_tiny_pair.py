@@ -392,45 +392,48 @@ def walk_rounds(acc_len: torch.Tensor, pred: torch.Tensor) -> tuple[float, float
 
 # ---------------------------------------------------------------- offline acceptance
 @torch.no_grad()
-def offline_acceptance(a, ctx: Ctx, target, drafter, z: torch.Tensor, p_len: int, budgets: list[int]) -> dict:
-    """Walk the target's greedy continuation of each held-out prompt with the drafter's blocks.
+def draft_topk(ctx: Ctx, target, drafter, z: torch.Tensor, p_len: int, anchor_chunk: int,
+               taus: tuple[float, ...] = (1.0,), kk: int = 16) -> tuple[dict, torch.Tensor]:
+    """The drafter's top-``kk`` log-probabilities per block slot at every anchor of ``z``.
 
-    z [b, S] = prompt + greedy continuation. For every anchor a (slot 0 = z[a], context < a) the
-    drafter's top-K log-probs per slot give the DFLASH chain (top-1 per slot) and the DDTREE tree
-    per budget; accepted = the deepest node whose path equals z[a+1..]; predicted = 1 + sum of the
-    tree's node probabilities. Rounds follow a -> a + accepted + 1 from a = len(prompt), counting
-    only rounds whose whole block lies inside z.
+    z [b, S] = prompt + the target's greedy continuation; anchors a = p_len .. S - L - 1 (slot 0 =
+    z[a], context < a; L = block_size - 1). For each softmax temperature ``tau`` in ``taus``:
+    ``{tau: (lp [b, A, L, kk], ids [b, A, L, kk])}`` over the model's whole vocabulary
+    (``target.dist``: a compact vocabulary's shared row counts once per id it stands for in the
+    normaliser); and truth [b, A, L] = z[a + 1 .. a + L].
     """
-    import ddtree_utils as du
-
     b, s = z.shape
-    bsz = drafter.block_size
-    L = bsz - 1
-    kk = 16
+    L = drafter.block_size - 1
     tli = tuple(drafter.target_layer_ids)
     z = z.to(ctx.device)
     with ctx.autocast():
         _, feats = target(z, capture=tli)
     anchors_all = torch.arange(p_len, s - L, device=ctx.device)  # anchors whose block fits
-    lps, tids = [], []
-    for i in range(0, anchors_all.numel(), a.eval_anchor_chunk):
-        anc = anchors_all[i : i + a.eval_anchor_chunk][None].expand(b, -1).contiguous()
+    parts: dict = {tau: ([], []) for tau in taus}
+    for i in range(0, anchors_all.numel(), anchor_chunk):
+        anc = anchors_all[i : i + anchor_chunk][None].expand(b, -1).contiguous()
         with ctx.autocast():
-            lg = tm.draft_logits(drafter, target, z, feats, anc)  # [b, n, L, V]
-        # log-probabilities over the model's whole vocabulary (target.dist: a compact vocabulary's
-        # shared row counts once per id it stands for in the normaliser, once in the top-k)
-        lp, tid = (lg.float() - target.dist(lg).logsumexp(-1, keepdim=True)).topk(kk, dim=-1)
-        lps.append(lp)
-        tids.append(tid)
-    lp = torch.cat(lps, 1)  # [b, A, L, K]
-    tid = torch.cat(tids, 1)
-    A = lp.shape[1]
-    # truth[b, A, L] = z[a + k], k = 1..L
+            lg = tm.draft_logits(drafter, target, z, feats, anc).float()  # [b, n, L, V]
+        for tau in taus:
+            x = lg if tau == 1.0 else lg / tau
+            lp, tid = (x - target.dist(x).logsumexp(-1, keepdim=True)).topk(kk, dim=-1)
+            parts[tau][0].append(lp)
+            parts[tau][1].append(tid)
+    A = anchors_all.numel()
     pos = anchors_all[None, :, None] + torch.arange(1, L + 1, device=ctx.device)
     truth = torch.gather(z, 1, pos.reshape(1, -1).expand(b, -1)).view(b, A, L)
+    return {tau: (torch.cat(lps, 1), torch.cat(ids, 1)) for tau, (lps, ids) in parts.items()}, truth
 
-    res = {"prompts": b, "prompt_len": p_len, "gen_len": s - p_len, "block_size": bsz}
-    # DFLASH chain: top-1 per slot, accepted while equal to the target's greedy tokens
+
+def acceptance_from_topk(lp: torch.Tensor, tid: torch.Tensor, truth: torch.Tensor, budgets: list[int]) -> dict:
+    """DFLASH's chain (top-1 per slot, accepted while equal to the target's greedy tokens) and
+    DDTREE's tree per budget from :func:`draft_topk`'s [b, A, L, K] top-k: accepted = the deepest
+    node whose path equals the truth, predicted = 1 + the sum of the tree's node probabilities;
+    rounds walk a -> a + accepted + 1 (:func:`walk_rounds`)."""
+    import ddtree_utils as du
+
+    b, A, L, kk = lp.shape
+    res: dict = {}
     hit = (tid[..., 0] == truth).long()
     chain_acc = hit.cumprod(-1).sum(-1)
     chain_pred = 1.0 + lp[..., 0].cumsum(-1).exp().sum(-1)
@@ -440,11 +443,22 @@ def offline_acceptance(a, ctx: Ctx, target, drafter, z: torch.Tensor, p_len: int
     flat_lp, flat_id = lp.reshape(b * A, L, kk), tid.reshape(b * A, L, kk)
     flat_truth = truth.reshape(b * A, L)
     for budget in budgets:
-        tree = du.build_tree(flat_lp, flat_id, budget, topk_cap=min(budget, 16))
+        tree = du.build_tree(flat_lp, flat_id, budget, topk_cap=min(budget, kk))
         acc_len = tree_accepted_depth(tree, flat_truth).view(b, A)
         pred = (1.0 + torch.where(tree.node_valid, tree.score.exp(), torch.zeros_like(tree.score)).sum(-1)).view(b, A)
         m, p, n = walk_rounds(acc_len, pred)
         res[f"ddtree_b{budget}"] = {"measured_accept": round(m, 4), "predicted_accept": round(p, 4), "rounds": n}
+    return res
+
+
+def offline_acceptance(a, ctx: Ctx, target, drafter, z: torch.Tensor, p_len: int, budgets: list[int]) -> dict:
+    """Walk the target's greedy continuation of each held-out prompt with the drafter's blocks
+    (:func:`draft_topk`, :func:`acceptance_from_topk`): the training run's eval.json."""
+    tk, truth = draft_topk(ctx, target, drafter, z, p_len, a.eval_anchor_chunk)
+    lp, tid = tk[1.0]
+    b, s = z.shape
+    res = {"prompts": b, "prompt_len": p_len, "gen_len": s - p_len, "block_size": drafter.block_size}
+    res.update(acceptance_from_topk(lp, tid, truth, budgets))
     return res
 
 

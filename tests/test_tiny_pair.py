@@ -271,3 +271,26 @@ def test_walk_rounds_follows_the_commits():
     taus = [3, 1, 2, 10, 1, 1, 7]
     preds = [0, 3, 4, 6, 7, 8, 9]
     assert n == len(taus) and tau == pytest.approx(sum(taus) / len(taus)) and p == pytest.approx(sum(preds) / len(preds))
+
+
+def test_offline_accept_tool_reproduces_the_training_eval_and_takes_temperatures(pair, tmp_path):
+    """bench/offline_accept.py at tau 1 on the eval's prompts gives the training run's own eval.json
+    numbers (same walk, recomputed from the saved checkpoint); at tau 0.5 DFLASH's predicted chain
+    is longer (a sharper top-1) and the budgets' trees are still valid walks; bad lists are one error."""
+    ev = json.loads((pair / "eval.json").read_text())
+    out = tmp_path / "o.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    tool = [sys.executable, str(ROOT / "bench" / "offline_accept.py"), "--pair", str(pair), "--device", "cpu"]
+    r = subprocess.run([*tool, "--prompts", str(ev["prompts"]), "--gen-len", str(ev["gen_len"]), "--budgets", "3,7",
+                        "--taus", "1,0.5", "--json", str(out)], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(out.read_text())
+    assert got["prompt_len"] == ev["prompt_len"]
+    one, half = got["by_tau"]["1.0"], got["by_tau"]["0.5"]
+    for key in ("dflash", "ddtree_b3", "ddtree_b7"):
+        assert one[key] == ev[key], key
+        assert half[key]["rounds"] >= 1
+    assert half["dflash"]["predicted_accept"] > one["dflash"]["predicted_accept"]
+    assert "| 0.5 |" in r.stdout and "| 1 |" in r.stdout
+    bad = subprocess.run([*tool, "--budgets", "3,x"], capture_output=True, text=True, env=env, timeout=120)
+    assert bad.returncode != 0 and "--budgets" in bad.stderr
