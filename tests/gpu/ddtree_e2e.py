@@ -48,17 +48,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
-def _load_fixtures():
-    """The tiny model configs shared with the CPU tests (tests/sglang/fixtures.py, stdlib only),
-    loaded by path so no test directory goes onto sys.path."""
-    path = Path(__file__).resolve().parents[1] / "sglang" / "fixtures.py"
-    spec = importlib.util.spec_from_file_location("ddtree_tiny_fixtures", path)
+def _load_by_path(name: str, path: Path):
+    """A stdlib-only module of this checkout loaded by path, so no test or bench directory goes
+    onto sys.path."""
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-fixtures = _load_fixtures()
+_ROOT = Path(__file__).resolve().parents[2]
+# the tiny model configs shared with the CPU tests
+fixtures = _load_by_path("ddtree_tiny_fixtures", _ROOT / "tests" / "sglang" / "fixtures.py")
 
 # A small vocabulary makes random-weight drafts hit the target's argmax often enough that
 # trees are accepted several nodes deep (the tree mask, KV compaction and hidden gathers
@@ -72,17 +73,8 @@ def model_configs(vocab: int) -> tuple[dict, dict]:
 
 
 PROMPT_LENS = (3, 9, 26, 48, 77, 120, 191, 260, 14, 33)
-
-def _load_pin_flags():
-    """bench/pin_flags.py (the server flags of every device script, per pin), loaded by path."""
-    path = Path(__file__).resolve().parents[2] / "bench" / "pin_flags.py"
-    spec = importlib.util.spec_from_file_location("ddtree_pin_flags", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-PF = _load_pin_flags()
+# the server flags of every device script, per pin
+PF = _load_by_path("ddtree_pin_flags", _ROOT / "bench" / "pin_flags.py")
 # 0.5.16: overlap scheduler on (default); 48 running requests so the 40 concurrent requests batch
 # together; graphs up to batch 32 (larger batches run eagerly).
 COMMON_ARGS_BY_PIN = {
