@@ -173,6 +173,14 @@ def test_plot_and_from_json(fakes, prompts, tmp_path):
     assert r2.returncode == 0, r2.stderr
     assert json.loads(r2.stdout)["servers"] == json.loads(r.stdout)["servers"]
     assert _png_size(png2) == (w, h)
+    # a level with a latency fit (a real server's requests take different round counts) shows its fixed part
+    doc = json.loads(r.stdout)
+    doc["servers"][1]["levels"][0].update(fit_request_ms=21.598, fit_round_ms=8.777)
+    fitted = tmp_path / "fitted.json"
+    fitted.write_text(json.dumps(doc))
+    r4 = run("bench", "--from-json", str(fitted))
+    assert r4.returncode == 0, r4.stderr
+    assert "fixed ms" in r4.stderr and "21.6" in r4.stderr
     bad = tmp_path / "bad.json"
     bad.write_text('{"servers": [{"levels": []}]}')
     r3 = run("bench", "--from-json", str(bad), "--json")

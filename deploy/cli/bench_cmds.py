@@ -96,7 +96,7 @@ def _fmt(v, spec: str = ".2f") -> str:
 
 def _table(doc: dict) -> None:
     t = Table(title="bench: " + ", ".join(f"{k}={v}" for k, v in doc["sampling"].items() if k != "ignore_eos"))
-    for col in ("server", "algorithm", "conc", "ok/req", "tok/s", "accept", "accept/round", "round ms", "p50 ms", "p99 ms"):
+    for col in ("server", "algorithm", "conc", "ok/req", "tok/s", "accept", "accept/round", "round ms", "fixed ms", "p50 ms", "p99 ms"):
         t.add_column(col, justify="left" if col in ("server", "algorithm") else "right", overflow="fold")
     for s in doc["servers"]:
         algo = (s.get("server") or {}).get("speculative_algorithm") or "-"
@@ -105,10 +105,12 @@ def _table(doc: dict) -> None:
             t.add_row(name, str(algo), str(lv["concurrency"]), f"{lv.get('ok_requests', '-')}/{lv.get('requests', '-')}",
                       _fmt(lv.get("output_tokens_per_s"), ".1f"), _fmt(lv.get("accept_length")),
                       _fmt(lv.get("accept_per_round")), _fmt(lv.get("per_round_ms")),
-                      _fmt(lv.get("latency_p50_ms"), ".1f"), _fmt(lv.get("latency_p99_ms"), ".1f"))
+                      _fmt(lv.get("fit_request_ms"), ".1f"), _fmt(lv.get("latency_p50_ms"), ".1f"), _fmt(lv.get("latency_p99_ms"), ".1f"))
     console.print(t)
     console.print("accept = completion_tokens / spec_verify_ct (SGLang's spec_accept_length); accept/round leaves out "
-                  "the prefill's token; round ms = request latency / (prefill + verify rounds), i.e. one batched step.",
+                  "the prefill's token; round ms = request latency / (prefill + verify rounds), i.e. one batched step; "
+                  "fixed ms = what a request pays once (prefill, scheduling, HTTP): the intercept of latency against "
+                  "verify rounds over the level's requests (- where their rounds do not vary).",
                   style="dim")
 
 
