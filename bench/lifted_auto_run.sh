@@ -14,6 +14,9 @@
 # ORDER=conc-first measures every server and temperature at c = 1 first, so a deadline drops high c
 # (temps-first, the default, keeps auto's controller on one temperature for all its levels).
 # Plain is measured after the speculative servers at each level (--plain-last).
+# MAX_BS (default 64): the decode-graph batch and --max-running-requests of every server; a
+# c = 1-only run with MAX_BS=4 takes less memory per server (auto's verify state per width scales
+# with it), so more servers share an 80 GB card. It must cover every CONC level.
 # TUNE_TREE_ATTN=1 first runs bench/tree_attn_bench.py and serves its fastest setting at batch 1.
 # PIN=0.5.13.post1 (carry that pin's site and overlay instead) runs the v1 worker with its own
 # graph flags; its default budgets are 63 with plain and DFLASH (auto is a 0.5.16 feature).
@@ -21,6 +24,11 @@ set -uo pipefail
 out=${1:?usage: bench/lifted_auto_run.sh OUT SITE_TAR_XZ PAIR_TAR_XZ OVERLAY_DIR [BUDGET_S]}
 site=${2:?}; pair_tar=${3:?}; overlay=${4:?}; budget_s=${5:-470}
 here=$(cd "$(dirname "$0")" && pwd)
+conc=${CONC:-1,4,16,32,64}
+max_bs=${MAX_BS:-64}
+for c in ${conc//,/ }; do
+  if ! [ "$c" -le "$max_bs" ] 2>/dev/null; then echo "CONC level $c is above MAX_BS $max_bs (or not a number)" >&2; exit 2; fi
+done
 # shellcheck source=bench/lifted_setup.sh
 source "$here/lifted_setup.sh"
 mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
@@ -29,13 +37,12 @@ if [ "${TUNE_TREE_ATTN:-0}" = 1 ]; then  # time the tree attention's launch sett
   python3 "$here/tree_attn_bench.py" --json "$out/tree_attn.json" \
     --apply /tmp/site/sglang/srt/speculative/ddtree_utils.py 2>&1 | tee "$out/tree_attn.txt" | tail -12
 fi
-conc=${CONC:-1,4,16,32,64}
 if [ "$pin" != 0.5.16 ]; then budgets=63; without=()
 elif [ "$mem" -gt 100000 ]; then budgets=15,auto+off; without=(); else budgets=auto+off; without=(--without DFLASH); fi
 budgets=${BUDGETS:-$budgets}
 if [ -n "${WITHOUT+set}" ]; then without=(); [ -n "$WITHOUT" ] && without=(--without "$WITHOUT"); fi
 python3 "$here/acceptance_run.py" --out "$out/acc" --pin "$pin" --pair /tmp/lifted --concurrency "$conc" \
   --budgets "$budgets" "${without[@]}" --waves "${WAVES:-2}" --order "${ORDER:-temps-first}" --ddtree-first --plain-last --phase-times --budget-s "$budget_s" \
-  --common "$common --max-total-tokens 24576 $graph_bs 64 --max-running-requests 64" 2>&1 \
+  --common "$common --max-total-tokens 24576 $graph_bs $max_bs --max-running-requests $max_bs" 2>&1 \
   | grep -v "start \|^\s*$" | tail -40
 exit "${PIPESTATUS[0]}"

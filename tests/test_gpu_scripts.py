@@ -405,3 +405,16 @@ def test_pin_flags_of_the_device_scripts(env, want, unwanted):
     source = (root / "snapshot" / f"sglang-{pin}" / "srt" / "server_args.py").read_text()
     for flag in re.findall(r"--[a-z0-9-]+", flags):
         assert flag[2:].replace("-", "_") in source, flag
+
+
+@pytest.mark.parametrize("conc,max_bs", [("1,8", "4"), ("1,x", "64"), ("1", "y")])
+def test_lifted_auto_run_refuses_levels_its_servers_cannot_batch_before_any_setup(tmp_path, conc, max_bs):
+    """bench/lifted_auto_run.sh: MAX_BS sets every server's decode-graph batch and running-request
+    cap; a CONC level above it (or a word) is refused with exit 2 before the site is unpacked or
+    anything is written."""
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "out"
+    r = subprocess.run(["bash", str(root / "bench" / "lifted_auto_run.sh"), str(out), "site", "pair", "overlay"],
+                       capture_output=True, text=True, env={**os.environ, "CONC": conc, "MAX_BS": max_bs})
+    assert r.returncode == 2 and "above MAX_BS" in r.stderr, r.stderr
+    assert not out.exists()
