@@ -29,15 +29,23 @@ def test_run_on_device_without_gpu_folder_says_what_is_missing(tmp_path):
     assert not out.exists()  # nothing written before the check
 
 
-def _load_round_cost():
+def _load_by_path(name: str, path: Path):
+    """A bench/ or tests/gpu/ script loaded as a module by path (no directory goes onto sys.path)."""
     import importlib.util
+    import sys
 
-    spec = importlib.util.spec_from_file_location(
-        "round_cost", Path(__file__).parents[1] / "bench" / "round_cost.py"
-    )
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    sys.modules[name] = mod  # dataclasses look their module up
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        del sys.modules[name]
     return mod
+
+
+def _load_round_cost():
+    return _load_by_path("round_cost", Path(__file__).parents[1] / "bench" / "round_cost.py")
 
 
 def test_round_cost_phase_table_reads_the_workers_gpu_and_host_line(tmp_path):
@@ -125,19 +133,11 @@ def test_e2e_startup_table_check_reads_the_snapshot_auto_rounds_writes():
     """ddtree_e2e's start-up table check against the snapshot of the real ddtree_budget.AutoRounds
     (seeded as seed_startup_costs does; the times are synthetic, no GPU here): measured and
     positive passes; unmeasured, a width without a seed, or an eager server that measured fails."""
-    import importlib.util
     import json
-    import sys
 
     import ddtree_budget as db
 
-    spec = importlib.util.spec_from_file_location("ddtree_e2e", Path(__file__).parent / "gpu" / "ddtree_e2e.py")
-    e2e = importlib.util.module_from_spec(spec)
-    sys.modules["ddtree_e2e"] = e2e  # its dataclasses look their module up
-    try:
-        spec.loader.exec_module(e2e)
-    finally:
-        del sys.modules["ddtree_e2e"]
+    e2e = _load_by_path("ddtree_e2e", Path(__file__).parent / "gpu" / "ddtree_e2e.py")
     r = db.AutoRounds([8, 16], 15, [1, 4, 32], graph_sizes=[1, 4])
     snap = lambda: json.loads(json.dumps(r.snapshot()))  # as /get_server_info sends it
     assert not e2e.startup_table_ok(snap(), graphs=True)  # not measured
@@ -157,16 +157,12 @@ def test_acceptance_run_takes_auto_beside_fixed_budgets_and_checks_it_on_attach(
     """--budgets 15,auto gives a "DDTREE b15" and a "DDTREE auto" server; --attach accepts a port
     whose /get_server_info says budget "auto" for the latter and refuses it for b15. The server
     is a TEST DOUBLE (tests/bench_fake_sglang.py): SGLang needs a GPU."""
-    import importlib.util
     import sys
 
     sys.path.insert(0, str(Path(__file__).parent))
     from bench_fake_sglang import FakeSGLang
 
-    path = Path(__file__).resolve().parents[1] / "bench" / "acceptance_run.py"
-    spec = importlib.util.spec_from_file_location("acceptance_run_t", path)
-    ar = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ar)
+    ar = _load_by_path("acceptance_run_t", Path(__file__).resolve().parents[1] / "bench" / "acceptance_run.py")
 
     assert ar.parse_budgets("15,auto,auto+off") == [15, "auto", "auto+off"]
     names = [n for n, _ in ar.configs(ar.parse_budgets("15,auto,auto+off"))]
@@ -264,12 +260,8 @@ def test_acceptance_run_prints_same_run_ratios_against_dflash_and_the_best_fixed
     DFLASH, and auto against the best fixed configuration (DFLASH or a fixed budget) at each
     concurrency. Checked against the ratios computed here from the same synthetic levels; a level
     not measured gives no ratio."""
-    import importlib.util
 
-    path = Path(__file__).resolve().parents[1] / "bench" / "acceptance_run.py"
-    spec = importlib.util.spec_from_file_location("acceptance_run_r", path)
-    ar = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ar)
+    ar = _load_by_path("acceptance_run_r", Path(__file__).resolve().parents[1] / "bench" / "acceptance_run.py")
     tps = {"plain": {1: 150.0, 16: 2200.0}, "DFLASH": {1: 400.0, 16: 2800.0}, "DDTREE b63": {1: 480.0, 16: 2240.0},
            "DDTREE auto+off": {1: 490.0, 16: None}}
     doc = {"servers": [{"label": n, "group": "T=0", "levels": [{"concurrency": c, "output_tokens_per_s": v}
@@ -327,20 +319,6 @@ def test_acceptance_run_orders_its_levels(tmp_path, order, plain_last):
     assert all([lv["concurrency"] for lv in s["levels"]] == [1, 4] for s in res["servers"])
     assert all(s["server"].get("speculative_algorithm") == (None if s["label"] == "plain" else s["label"].split()[0])
                for s in res["servers"])
-
-
-def _load_by_path(name: str, path: Path):
-    import importlib.util
-    import sys
-
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod  # dataclasses look their module up
-    try:
-        spec.loader.exec_module(mod)
-    finally:
-        del sys.modules[name]
-    return mod
 
 
 def test_every_device_script_takes_its_server_flags_from_pin_flags():
