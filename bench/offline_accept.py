@@ -26,22 +26,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
-import tiny_models as tm  # noqa: E402
 import train_tiny_pair as ttp  # noqa: E402
-
-
-def load_pair(d: Path) -> tuple[tm.Qwen3Target, tm.DFlashDrafter]:
-    from safetensors.torch import load_file
-
-    try:
-        tcfg = json.loads((d / "target" / "config.json").read_text())
-        dcfg = json.loads((d / "draft" / "config.json").read_text())
-    except (OSError, ValueError) as exc:
-        raise SystemExit(f"--pair {d}: not a trained pair (target/ and draft/ config.json): {exc}") from None
-    target, drafter = tm.Qwen3Target(tcfg), tm.DFlashDrafter(dcfg)
-    target.load_state_dict({k: v.float() for k, v in load_file(str(d / "target" / "model.safetensors")).items()})
-    drafter.load_state_dict({k: v.float() for k, v in load_file(str(d / "draft" / "model.safetensors")).items()})
-    return target.eval(), drafter.eval()
 
 
 def parse_list(text: str, kind, name: str) -> list:
@@ -69,7 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     taus = parse_list(a.taus, float, "--taus")
     if a.prompts < 1 or a.gen_len < 1 or a.anchor_chunk < 1:
         raise SystemExit("--prompts, --gen-len and --anchor-chunk must be >= 1")
-    target, drafter = load_pair(a.pair)
+    try:
+        target, drafter = ttp.load_pair(a.pair)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"--pair {a.pair}: not a trained pair (target/ and draft/ config.json and weights): {exc}") from None
     lines = (a.pair / "prompts.jsonl").read_text().splitlines()[: a.prompts]
     prompts = [json.loads(x)["input_ids"] for x in lines if x.strip()]
     if not prompts:

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import random
 import sys
@@ -180,6 +179,19 @@ def save_model(module: torch.nn.Module, cfg: dict, d: Path) -> None:
     sd = {k: v.detach().to(torch.bfloat16).contiguous().cpu() for k, v in sorted(state.items())}
     save_file(sd, str(d / "model.safetensors"), metadata={"format": "pt"})
     (d / "config.json").write_text(json.dumps(cfg, indent=1, sort_keys=True) + "\n")
+
+
+def load_pair(d: Path) -> tuple[tm.Qwen3Target, tm.DFlashDrafter]:
+    """A saved pair (:func:`save_model`'s target/ and draft/) as float32 modules in eval mode.
+    Raises OSError or ValueError for a folder that does not hold one."""
+    from safetensors.torch import load_file
+
+    tcfg = json.loads((d / "target" / "config.json").read_text())
+    dcfg = json.loads((d / "draft" / "config.json").read_text())
+    target, drafter = tm.Qwen3Target(tcfg), tm.DFlashDrafter(dcfg)
+    target.load_state_dict({k: v.float() for k, v in load_file(str(d / "target" / "model.safetensors")).items()})
+    drafter.load_state_dict({k: v.float() for k, v in load_file(str(d / "draft" / "model.safetensors")).items()})
+    return target.eval(), drafter.eval()
 
 
 # ---------------------------------------------------------------- training loops

@@ -79,14 +79,7 @@ def test_training_is_deterministic_from_the_seed(pair, tmp_path):
 
 
 def _load_ours(pair: Path) -> tuple[tm.Qwen3Target, tm.DFlashDrafter]:
-    from safetensors.torch import load_file
-
-    tcfg = json.loads((pair / "target" / "config.json").read_text())
-    dcfg = json.loads((pair / "draft" / "config.json").read_text())
-    target, drafter = tm.Qwen3Target(tcfg), tm.DFlashDrafter(dcfg)
-    target.load_state_dict({k: v.float() for k, v in load_file(str(pair / "target" / "model.safetensors")).items()})
-    drafter.load_state_dict({k: v.float() for k, v in load_file(str(pair / "draft" / "model.safetensors")).items()})
-    return target.eval(), drafter.eval()
+    return ttp.load_pair(pair)
 
 
 def test_target_loads_with_transformers_and_gives_our_logits(pair):
@@ -294,3 +287,9 @@ def test_offline_accept_tool_reproduces_the_training_eval_and_takes_temperatures
     assert "| 0.5 |" in r.stdout and "| 1 |" in r.stdout
     bad = subprocess.run([*tool, "--budgets", "3,x"], capture_output=True, text=True, env=env, timeout=120)
     assert bad.returncode != 0 and "--budgets" in bad.stderr
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    r = subprocess.run([*tool[:-4], "--pair", str(empty), "--device", "cpu", "--json", str(tmp_path / "none.json")],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode != 0 and "not a trained pair" in r.stderr
+    assert list(empty.iterdir()) == [] and not (tmp_path / "none.json").exists()
