@@ -36,6 +36,11 @@ PREFILL_GRAPH_OFF = {"0.5.13.post1": "--disable-piecewise-cuda-graph", "0.5.16":
 BASE = "--sampling-backend pytorch --grammar-backend none"
 
 
+def check_pin(pin: str) -> None:
+    if pin not in PINS:
+        raise ValueError(f"unknown SGLang pin {pin!r}: this project builds {', '.join(PINS)}")
+
+
 def prefill_graph_sizes(max_tokens: int) -> list[int]:
     """1, 2, 4, ... up to ``max_tokens`` (the powers of two not above it)."""
     if max_tokens < 1:
@@ -58,7 +63,7 @@ def graph_flags(pin: str, prefill_graph_max: int = 0) -> str:
 
 def common(pin: str, *, mem_fraction: float | None = None, max_total_tokens: int | None = None,
            max_bs: int | None = None, max_running: int | None = None, skip_tokenizer_init: bool = False,
-           prefill_graph_max: int = 0, seed: int = 0) -> str:
+           prefill_graph_max: int = 0) -> str:
     """A pin's common server flags; the size caps each script sets are left out when None."""
     parts = ["--skip-tokenizer-init"] if skip_tokenizer_init else []
     parts += [BASE, graph_flags(pin, prefill_graph_max)]
@@ -70,13 +75,8 @@ def common(pin: str, *, mem_fraction: float | None = None, max_total_tokens: int
         parts.append(f"{DECODE_GRAPH_BS[pin]} {max_bs}")
     if max_running is not None:
         parts.append(f"--max-running-requests {max_running}")
-    parts.append(f"--random-seed {seed}")
+    parts.append("--random-seed 0")
     return " ".join(parts)
-
-
-def check_pin(pin: str) -> None:
-    if pin not in PINS:
-        raise ValueError(f"unknown SGLang pin {pin!r}: this project builds {', '.join(PINS)}")
 
 
 def main(argv: list[str] | None = None) -> int:
