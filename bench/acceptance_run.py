@@ -248,7 +248,7 @@ def same_run_ratios(doc: dict, group: str) -> list[tuple[str, dict[int, float | 
     """Tokens/s ratios of one temperature's levels, all from this run (the goals of issues 27 and
     28 are same-run ratios): every DDTREE configuration against DFLASH, and each auto
     configuration against the best fixed one at that concurrency (DFLASH and the fixed DDTREE
-    budgets of the run). None where a level was not measured."""
+    budgets of the run; no such row in a run without one). None where a level was not measured."""
     servers = [s for s in doc["servers"] if s.get("group") == group]
     tps = {s["label"]: {lv["concurrency"]: lv.get("output_tokens_per_s") for lv in s["levels"]} for s in servers}
     concs = sorted({c for v in tps.values() for c in v})
@@ -260,7 +260,7 @@ def same_run_ratios(doc: dict, group: str) -> list[tuple[str, dict[int, float | 
             continue
         if "DFLASH" in tps:
             rows.append((f"{name} / DFLASH", {c: _ratio(tps[name].get(c), tps["DFLASH"].get(c)) for c in concs}))
-        if isinstance(budget, str):
+        if isinstance(budget, str) and fixed:  # no fixed configuration in the run: no row
             best = {c: max((tps[n].get(c) for n in fixed if tps[n].get(c)), default=None) for c in concs}
             rows.append((f"{name} / best fixed", {c: _ratio(tps[name].get(c), best[c]) for c in concs}))
     return rows
@@ -442,6 +442,7 @@ def main() -> int:
         if s.proc is None and (not a.attach or s.startup_s is None):
             s.error = None  # --attach: a server not answering at its port is started here
             s.start()
+    verdict = False  # run_ok's, once the results are written
     try:
         wait_ready(servers, min(deadline, time.time() + 420))
         prompts = B.load_prompts(pair / "prompts.jsonl")
@@ -535,7 +536,7 @@ def main() -> int:
         doc = B.report(results, B.Sampling(max_new_tokens=a.max_new_tokens), {
             "driver": "bench/acceptance_run.py", "dtype": a.dtype, "temperatures": temps, "concurrency": levels,
             "offline": offline, "exactness_vs_first": exact, "skipped": skipped,
-            "startup_s": {s.name: s.startup_s for s in servers}, "server_errors": {s.name: s.error for s in servers if s.error},
+            "startup_s": {s.name: s.startup_s for s in servers}, "server_errors": servers_failed(servers),
             "verify_limits": {s.name: s.verify_limit() for s in servers if label_parts(s.name)[0] == "DDTREE"},
             "server_cmds": {s.name: "attached: started by an earlier run" if s.attached else " ".join(s.cmd) for s in servers},
             "server_env": {s.name: s.env for s in servers if s.env},
@@ -543,6 +544,8 @@ def main() -> int:
             "train": {k: train[k] for k in ("stages", "seconds", "truncated", "bytes", "torch", "python")} if train else None,
             "seconds": round(time.time() - t_start, 1),
         })
+        verdict = run_ok(doc, [s.startup_s is not None for s in servers])
+        doc["ok"], doc["exit_code"] = verdict, 0 if verdict else 1
         (a.out / "results.json").write_text(json.dumps(doc, indent=1) + "\n")
         (a.out / "table.md").write_text(table_md(doc, offline, temps, budgets))
         try:
@@ -562,11 +565,27 @@ def main() -> int:
                         tf.add(pair / name, arcname=f"tiny-pair/{name}")
         with tarfile.open(a.out / "logs.tgz", "w:gz") as tf:
             tf.add(logdir, arcname="logs")
-    # greedy equality is reported, not required: bf16 verify (many tokens per forward) and decode
-    # (one) may round differently at a near-tie, which is not a speculative-decoding error
-    ok = all(s.startup_s is not None for s in servers) and bool(exact)
-    log(f"done in {time.time() - t_start:.0f} s, ok={ok}")
+    ok = bool(verdict)
+    log(f"done in {time.time() - t_start:.0f} s, ok={ok}"
+        + ("" if ok else f" (server errors: {servers_failed(servers) or 'none'}; see results.json)"))
     return 0 if ok else 1
+
+
+def servers_failed(servers) -> dict:
+    return {s.name: s.error for s in servers if s.error}
+
+
+def run_ok(doc: dict, started: list[bool]) -> bool:
+    """The run's verdict, the same in results.json, the last log line and the exit code: every
+    server started and none failed later (``server_errors``: a warm-up or server-info failure, e.g.
+    a server that ran out of memory at its first batch), every request of every measured level
+    answered, and the greedy check ran on every live server. Greedy equality itself is reported,
+    not required: a bf16 verify (many tokens a forward) and decode (one) may round differently at a
+    near-tie, which is not a speculative-decoding error. Levels skipped at the deadline are
+    reported in ``skipped`` and do not fail the run."""
+    exact = doc.get("exactness_vs_first") or {}
+    return (all(started) and not doc.get("server_errors") and bool(doc.get("ok")) and bool(exact)
+            and all(isinstance(v, list) for v in exact.values()))
 
 
 if __name__ == "__main__":

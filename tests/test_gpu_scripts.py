@@ -129,6 +129,38 @@ def test_acceptance_run_attach_refuses_a_server_of_another_configuration(tmp_pat
             f.stop()
 
 
+def test_acceptance_run_fails_when_a_server_fails_after_it_started(tmp_path):
+    """A server that answers at start-up and then fails (the sixteenth session's b255 ran out of
+    memory at its warm-up) fails the run in all three places: results.json's ok, the last log
+    line and the exit code (that run logged ok=True and exited 0). The servers are TEST DOUBLES
+    (tests/bench_fake_sglang.py): SGLang needs a GPU; the DDTREE one answers /get_server_info and
+    fails every generate."""
+    import json
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from bench_fake_sglang import FakeSGLang, serve_in_a_row
+
+    fakes = [FakeSGLang(round_ms=0.2), FakeSGLang("DFLASH", accept=3, round_ms=0.2),
+             FakeSGLang("DDTREE", accept=4, round_ms=0.2, budget=255, fail_every=1)]
+    base = serve_in_a_row(fakes, first=37400)
+    try:
+        out, r = _acceptance_run_attached(tmp_path, base, "--budgets", "255", "--concurrency", "1",
+                                          "--max-new-tokens", "8", "--log-dir", str(tmp_path / "logs"))
+    finally:
+        for f in fakes:
+            f.stop()
+    assert r.returncode == 1, r.stderr[-3000:]
+    res = json.loads((out / "results.json").read_text())
+    assert res["ok"] is False and res["exit_code"] == 1
+    assert "warm-up failed" in res["server_errors"]["DDTREE b255"]
+    last = r.stderr.strip().splitlines()[-1]
+    assert "ok=False" in last and "DDTREE b255" in last
+    # the servers that worked were measured all the same
+    tps = {(s["label"], s["group"]): s["levels"][0]["output_tokens_per_s"] for s in res["servers"]}
+    assert tps[("plain", "T=0")] and tps[("DFLASH", "T=0")] and tps[("DDTREE b255", "T=0")] is None
+
+
 def test_e2e_startup_table_check_reads_the_snapshot_auto_rounds_writes():
     """ddtree_e2e's start-up table check against the snapshot of the real ddtree_budget.AutoRounds
     (seeded as seed_startup_costs does; the times are synthetic, no GPU here): measured and
@@ -275,6 +307,8 @@ def test_acceptance_run_prints_same_run_ratios_against_dflash_and_the_best_fixed
     md = ar.table_md(doc, None, [0.0], [63, "auto+off"])
     assert "| DDTREE b63 / DFLASH | 1.20x | 0.80x |" in md and "| DDTREE auto+off / best fixed | 1.02x | - |" in md
     assert ar.same_run_ratios(doc, "T=1") == []
+    alone = {"servers": [s for s in doc["servers"] if s["label"] in ("plain", "DDTREE auto+off")]}
+    assert ar.same_run_ratios(alone, "T=0") == []  # auto beside plain only: nothing to compare with
 
 
 @pytest.mark.parametrize("order,plain_last", [("temps-first", False), ("conc-first", False), ("conc-first", True),
