@@ -17,6 +17,8 @@
 # MAX_BS (default 64): the decode-graph batch and --max-running-requests of every server; a
 # c = 1-only run with MAX_BS=4 takes less memory per server (auto's verify state per width scales
 # with it), so more servers share an 80 GB card. It must cover every CONC level.
+# A fixed budget of 255 or more beside plain and DFLASH on a card of <= 100 GB is refused (exit 2):
+# it ran out of memory there twice; set WITHOUT=DFLASH.
 # TUNE_TREE_ATTN=1 first runs bench/tree_attn_bench.py and serves its fastest setting at batch 1.
 # PIN=0.5.13.post1 (carry that pin's site and overlay instead) runs the v1 worker with its own
 # graph flags; its default budgets are 63 with plain and DFLASH (auto is a 0.5.16 feature).
@@ -29,9 +31,20 @@ max_bs=${MAX_BS:-64}
 for c in ${conc//,/ }; do
   if ! [ "$c" -le "$max_bs" ] 2>/dev/null; then echo "CONC level $c is above MAX_BS $max_bs (or not a number)" >&2; exit 2; fi
 done
+mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+# b255 beside plain and DFLASH runs out of memory on an 80 GB card (thirteenth and sixteenth
+# sessions: 20 + 26 + 32 GB, then a 4.6 GiB logits copy): refused before any setup.
+# DFLASH runs unless WITHOUT names it, or WITHOUT is unset on a 0.5.16 card of <= 100 GB (below).
+if [ -n "${WITHOUT+set}" ]; then [[ ",$WITHOUT," == *,DFLASH,* ]] && dflash=0 || dflash=1
+elif [ "${PIN:-0.5.16}" = 0.5.16 ]; then dflash=0; else dflash=1; fi
+budgets_env=${BUDGETS:-}
+for b in ${budgets_env//,/ }; do
+  if [[ "$b" =~ ^[0-9]+$ ]] && [ "$b" -ge 255 ] && [ "${mem:-0}" -le 100000 ] && [ "$dflash" = 1 ]; then
+    echo "BUDGETS has b$b: it does not fit beside plain and DFLASH on this ${mem} MiB card; set WITHOUT=DFLASH" >&2; exit 2
+  fi
+done
 # shellcheck source=bench/lifted_setup.sh
 source "$here/lifted_setup.sh"
-mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
 lifted_setup "$out" "$site" "$pair_tar" "$overlay" || exit 1
 if [ "${TUNE_TREE_ATTN:-0}" = 1 ]; then  # time the tree attention's launch settings, serve the fastest at batch 1
   python3 "$here/tree_attn_bench.py" --json "$out/tree_attn.json" \

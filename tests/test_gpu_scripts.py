@@ -419,6 +419,37 @@ def test_pin_flags_of_the_device_scripts(env, want, unwanted):
         assert flag[2:].replace("-", "_") in source, flag
 
 
+@pytest.mark.parametrize("mem,env,refused", [
+    (81559, {"BUDGETS": "255", "WITHOUT": ""}, True),  # the sixteenth session's call 5
+    (81559, {"BUDGETS": "63,511", "WITHOUT": "b15"}, True),
+    (81559, {"BUDGETS": "255", "PIN": "0.5.13.post1"}, True),  # that pin's default keeps DFLASH
+    (81559, {"BUDGETS": "255", "WITHOUT": "DFLASH"}, False),
+    (81559, {"BUDGETS": "255"}, False),  # 0.5.16's default on an 80 GB card leaves DFLASH out
+    (81559, {"BUDGETS": "63,auto+off", "WITHOUT": ""}, False),
+    (143771, {"BUDGETS": "255", "WITHOUT": ""}, False),  # an H200 holds all three
+])
+def test_lifted_auto_run_refuses_b255_beside_dflash_on_an_80_gb_card(tmp_path, mem, env, refused):
+    """bench/lifted_auto_run.sh refuses (exit 2, before any setup) a fixed budget of 255 or more
+    beside plain and DFLASH on a card of 100 GB or less, where it ran out of memory twice. The
+    card's size comes from a TEST DOUBLE of nvidia-smi on PATH (no GPU here); a run that is not
+    refused goes on to its setup, which fails here on the missing site (exit 1)."""
+    root = Path(__file__).resolve().parents[1]
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text(f"#!/bin/sh\necho {mem}\n")
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    out = tmp_path / "out"
+    base = {k: v for k, v in os.environ.items() if k not in ("BUDGETS", "WITHOUT", "PIN", "CONC", "MAX_BS")}
+    r = subprocess.run(["bash", str(root / "bench" / "lifted_auto_run.sh"), str(out), str(tmp_path / "no-site.tar.xz"),
+                        "pair", "overlay"], capture_output=True, text=True, timeout=120,
+                       env={**base, **env, "PATH": f"{bin_dir}:{os.environ['PATH']}"})
+    if refused:
+        assert r.returncode == 2 and "set WITHOUT=DFLASH" in r.stderr, r.stderr
+        assert not out.exists()
+    else:
+        assert r.returncode != 2 and "WITHOUT=DFLASH" not in r.stderr, r.stderr
+
+
 @pytest.mark.parametrize("conc,max_bs", [("1,8", "4"), ("1,x", "64"), ("1", "y")])
 def test_lifted_auto_run_refuses_levels_its_servers_cannot_batch_before_any_setup(tmp_path, conc, max_bs):
     """bench/lifted_auto_run.sh: MAX_BS sets every server's decode-graph batch and running-request
