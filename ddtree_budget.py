@@ -580,7 +580,7 @@ class AutoRounds:
     ``cycle=True`` (``SGLANG_DDTREE_AUTO_CYCLE=1``, the exactness matrix): the widths in turn,
     one per round, so the width changes every round; the feed still runs (snapshot).
 
-    ``off=True`` (``SGLANG_DDTREE_AUTO_OFF=1``): :data:`OFF` is an option too, run as a round
+    ``off=True`` (the v2 worker's default; ``SGLANG_DDTREE_AUTO_OFF=0`` for False): :data:`OFF` is an option too, run as a round
     of verify width :data:`OFF_WIDTH` (only the root; no draft forward, so no estimate:
     :meth:`record` takes ``expected=None``). :meth:`choose` returns ``OFF_WIDTH`` for it;
     :attr:`verify_widths` lists it with the tree widths; the cycle starts with it.

@@ -66,8 +66,11 @@ def log(msg: str) -> None:
 
 
 # The auto words --budgets takes: the server's flag value and the environment it gets. "auto+off"
-# is the controller with `off` rounds offered (plain decode under load; docs/DDTREE.md).
-AUTO_MODES: dict[str, dict[str, str]] = {"auto": {}, "auto+off": {"SGLANG_DDTREE_AUTO_OFF": "1"}}
+# is the controller with `off` rounds offered (plain decode under load; docs/DDTREE.md); since the
+# sixteenth session that is also what "auto" serves (off is on unless SGLANG_DDTREE_AUTO_OFF=0),
+# and "auto+trees" is the controller without off. The older runs' "auto" was "auto+trees".
+AUTO_MODES: dict[str, dict[str, str]] = {"auto": {}, "auto+off": {"SGLANG_DDTREE_AUTO_OFF": "1"},
+                                         "auto+trees": {"SGLANG_DDTREE_AUTO_OFF": "0"}}
 
 
 def ddtree_label(budget: int | str) -> str:

@@ -90,7 +90,7 @@ def test_budget_auto_resolves_its_widths_and_is_served(parse, extra, widths):
 
 
 def test_cycle_switch(monkeypatch, parse):
-    from sglang.srt.speculative.ddtree_auto_v2 import CYCLE_ENV, auto_rounds, cycle_mode
+    from sglang.srt.speculative.ddtree_auto_v2 import CYCLE_ENV, OFF_ENV, auto_rounds, cycle_mode
 
     for value, want in (("1", True), ("0", False), ("", False), ("on", True)):
         monkeypatch.setenv(CYCLE_ENV, value)
@@ -100,7 +100,10 @@ def test_cycle_switch(monkeypatch, parse):
         cycle_mode()
     monkeypatch.setenv(CYCLE_ENV, "1")
     rounds = auto_rounds(parse("--speculative-ddtree-budget auto --cuda-graph-max-bs 16"), "cpu")
-    assert rounds.cycle
+    assert rounds.cycle  # `off` is on by default, so the cycle starts with it (width 1)
+    assert [rounds.choose(3) for _ in range(8)] == [1, 8, 16, 32, 64, 128, 256, 1]
+    monkeypatch.setenv(OFF_ENV, "0")
+    rounds = auto_rounds(parse("--speculative-ddtree-budget auto --cuda-graph-max-bs 16"), "cpu")
     assert [rounds.choose(3) for _ in range(8)] == [8, 16, 32, 64, 128, 256, 8, 16]
 
 
@@ -325,12 +328,14 @@ def test_server_info_shows_the_controller(parse):
     )
     state = Scheduler.get_internal_state(sched, None).internal_state
     auto = state["ddtree_budget_auto"]
-    assert auto["widths"] == args.speculative_ddtree_auto_widths == [int(x) for x in auto["options"]]
+    # the options: the tree widths, then `off` (offered by default)
+    assert auto["widths"] == args.speculative_ddtree_auto_widths == [int(x) for x in auto["options"][:-1]]
+    assert auto["options"][-1] == "off" and auto["off"] is True
     assert auto["chosen"][str(w)] == 1 and auto["observed_rounds"] == 1 and auto["last"] == str(w)
     assert auto["cost_table"]["buckets"] == rounds.controller.table.buckets
     assert {"ms", "verify_ms", "offset_ms", "cost_ms"} <= set(auto["cost_table"])
     assert auto["startup"] == {"status": "not measured"}  # no init_cuda_graphs in this test
-    assert set(auto["calibration"]["ratio"]) == {str(x) for x in rounds.widths}
+    assert set(auto["calibration"]["ratio"]) == {str(x) for x in rounds.widths} | {"off"}
     assert state["ddtree_debug_metrics"]["rounds"] == 1
     json.dumps(state["ddtree_budget_auto"])
     # a fixed budget without debug metrics adds nothing
@@ -506,7 +511,7 @@ def test_the_worker_builds_its_widths_then_the_startup_table(parse):
     worker.debug_metrics = None
     worker.init_cuda_graphs()
     assert calls == [{"capture_decode_cuda_graph": False}]
-    assert sorted(worker._verify_states) == args.speculative_ddtree_auto_widths
+    assert sorted(worker._verify_states) == [db.OFF_WIDTH, *args.speculative_ddtree_auto_widths]  # off by default
     startup = worker.get_ddtree_server_info()["ddtree_budget_auto"]["startup"]
     assert startup == {"status": "skipped", "reason": "CUDA graphs are off (eager verify)"}
 
@@ -514,12 +519,12 @@ def test_the_worker_builds_its_widths_then_the_startup_table(parse):
 
 
 # ------------------------------------------------------------------------------------------
-# `off` rounds (SGLANG_DDTREE_AUTO_OFF=1) through the worker's own round
+# `off` rounds (on unless SGLANG_DDTREE_AUTO_OFF=0) through the worker's own round
 
 
 def test_off_mode_switch_and_the_root_only_tree(monkeypatch, parse):
-    """SGLANG_DDTREE_AUTO_OFF=1 offers `off` (width 1): the feed's verify widths and cycle start
-    with it. An off round's tree (ddtree_auto_v2.root_tree) is the root alone, equal to
+    """`off` (width 1) is offered unless SGLANG_DDTREE_AUTO_OFF=0: the feed's verify widths and
+    cycle start with it. An off round's tree (ddtree_auto_v2.root_tree) is the root alone, equal to
     truncate_tree(tree, 1) of the real proposer's tree with that root."""
     from sglang.srt.speculative.ddtree_auto_v2 import (
         OFF_ENV,
@@ -551,6 +556,9 @@ def test_off_mode_switch_and_the_root_only_tree(monkeypatch, parse):
     assert sorted(states) == rounds.verify_widths and args.speculative_num_draft_tokens == widest
     monkeypatch.setenv(OFF_ENV, "0")
     assert not auto_rounds(args, "cpu").off
+    assert db.OFF_WIDTH not in auto_rounds(args, "cpu").verify_widths
+    monkeypatch.delenv(OFF_ENV)  # the default: `off` is offered (the measured auto+off)
+    assert off_mode() and auto_rounds(args, "cpu").off
 
     widths, block, vocab, k = [2, 4, 8], 5, 12, 4
     prop = _proposer(widths, block, vocab, k)
