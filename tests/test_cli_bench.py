@@ -138,6 +138,9 @@ def test_latency_fit_recovers_a_line_and_splits_request_from_round_cost():
     assert B.summarize(1, same, 2.4).fit_round_ms is None
     assert B.summarize(1, [B.RequestResult(0.8, 128, None)] * 8, 6.4).fit_request_ms is None
     assert B.latency_fit([(1.0, 2.0), (2.0, 3.0), (3.0, 4.0)]) is None
+    # a negative intercept (the sixteenth session's auto at T = 1: -38.7 ms a request) is no split
+    assert B.latency_fit([(60.0, 600.0), (62.0, 640.0), (64.0, 660.0), (66.0, 700.0)]) is None
+    assert B.latency_fit([(60.0, 640.0), (62.0, 660.0), (64.0, 680.0), (66.0, 700.0)]) == pytest.approx((40.0, 10.0))
 
 
 def test_percentile_matches_numpy():

@@ -110,7 +110,8 @@ def _table(doc: dict) -> None:
     console.print("accept = completion_tokens / spec_verify_ct (SGLang's spec_accept_length); accept/round leaves out "
                   "the prefill's token; round ms = request latency / (prefill + verify rounds), i.e. one batched step; "
                   "fixed ms = what a request pays once (prefill, scheduling, HTTP): the intercept of latency against "
-                  "verify rounds over the level's requests (- where their rounds do not vary).",
+                  "verify rounds over the level's requests (- where it does not split: too few requests, rounds "
+                  "that do not vary, or a negative intercept).",
                   style="dim")
 
 

@@ -171,7 +171,9 @@ def percentile(values: list[float], q: float) -> float:
 
 def latency_fit(points: list[tuple[float, float]]) -> tuple[float, float] | None:
     """Least-squares ``(intercept, slope)`` of ``y = intercept + slope * x`` over ``(x, y)``
-    points; None for fewer than 4 points or when every ``x`` is the same."""
+    points; None for fewer than 4 points, when every ``x`` is the same, or when the intercept
+    is negative: a request cannot pay less than nothing once, so the points (e.g. sampled
+    requests whose round counts barely vary, or rounds of changing widths) do not split."""
     if len(points) < 4:
         return None
     n = len(points)
@@ -181,7 +183,8 @@ def latency_fit(points: list[tuple[float, float]]) -> tuple[float, float] | None
     if sxx <= 1e-12 * max(1.0, mx * mx):
         return None
     slope = sum((x - mx) * (y - my) for x, y in points) / sxx
-    return my - slope * mx, slope
+    intercept = my - slope * mx
+    return (intercept, slope) if intercept >= 0 else None
 
 
 def summarize(concurrency: int, results: list[RequestResult], wall_s: float) -> LevelResult:
