@@ -157,6 +157,26 @@ def auto_verify_widths(
     return tuple(keep)
 
 
+def auto_width_hint(
+    max_batch: int,
+    widths,
+    want: int = 64,
+    max_graph_tokens: int = DDTREE_MAX_CUDA_GRAPH_TOKENS,
+) -> str | None:
+    """A start-up warning when the memory rule of :func:`auto_verify_widths` leaves ``auto``
+    no width of at least ``want`` (the width that served batch 1 best on the lifted pair) only
+    because the decode CUDA graphs reach ``max_batch``: the graph batch that would allow it.
+    None when such a width is there, or when the tree (not the graphs) is the limit."""
+    if max(widths) >= want or int(max_batch) * want <= max_graph_tokens:
+        return None
+    return (
+        f"DDTREE budget auto: the decode CUDA graphs reach batch {int(max_batch)}, so the widest "
+        f"verify is {max(widths)} tokens ({max_graph_tokens} tokens per graph); trees of "
+        f"{want} tokens, which small batches gain from, need --cuda-graph-max-bs-decode "
+        f"{max_graph_tokens // want} or lower (larger batches then run without CUDA graphs)."
+    )
+
+
 def tree_capacity(topk_cap: int, max_depth: int, budget: int) -> int:
     """Nodes a tree of depth <= ``max_depth`` with at most ``topk_cap`` children per node can
     hold (``K + K^2 + ... + K^D``), counted only until it reaches ``budget``."""
@@ -245,6 +265,9 @@ def resolve_ddtree_server_args(
         server_args.speculative_ddtree_auto_widths = list(widths)
         budget = widths[-1] - 1
         logger.info("DDTREE budget auto: verify widths %s (budget %d sizes the round).", widths, budget)
+        hint = auto_width_hint(auto_max_batch(server_args), widths)
+        if hint:
+            logger.warning(hint)
     if budget is None:
         budget = block_size - 1
     budget = int(budget)

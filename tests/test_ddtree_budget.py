@@ -151,6 +151,23 @@ def test_default_widths_under_the_memory_rule():
     assert ds.auto_verify_widths(16, 40) == (8, 16, 32)  # a tree of 40 nodes: widths up to 41
 
 
+@pytest.mark.parametrize(("max_batch", "capacity", "hint"), [
+    (256, 10**6, "--cuda-graph-max-bs-decode 64 or lower"),  # 0.5.16's default graphs on an H100 / H200
+    (512, 10**6, "the widest verify is 8 tokens"),  # its default at TP >= 4
+    (64, 10**6, None),  # the benchmarks' cap: width 64 is there
+    (16, 40, None),  # the tree, not the graphs, stops at 32
+])
+def test_auto_warns_when_the_graph_batch_alone_keeps_wide_trees_out(max_batch, capacity, hint):
+    """auto_width_hint: a start-up warning with the graph batch that lets width 64 in, only where
+    the CUDA graphs' batch is what leaves it out."""
+    got = ds.auto_width_hint(max_batch, ds.auto_verify_widths(max_batch, capacity))
+    if hint is None:
+        assert got is None
+    else:
+        assert hint in got and f"reach batch {max_batch}" in got
+        assert 64 in ds.auto_verify_widths(4096 // 64, capacity)  # the advice holds
+
+
 # ------------------------------------------------------------------------------------------
 # The choice
 

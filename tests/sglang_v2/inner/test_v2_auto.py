@@ -89,6 +89,27 @@ def test_budget_auto_resolves_its_widths_and_is_served(parse, extra, widths):
         parse("--speculative-ddtree-budget AUTO --speculative-num-draft-tokens 16")
 
 
+def test_budget_auto_at_the_default_graph_batch_warns_with_the_flag_to_change(parse, caplog):
+    """At 0.5.16's default decode graphs on an 80-160 GB card (batch 256 at TP < 4) the memory
+    rule leaves auto widths 8 and 16; start-up says so and names the flag that admits wider ones."""
+    import logging
+
+    from sglang.srt.speculative import ddtree_serving
+
+    log = logging.getLogger(ddtree_serving.__name__)  # SGLang's loggers do not propagate to the root
+    log.addHandler(caplog.handler)
+    try:
+        args = parse("--speculative-ddtree-budget auto --cuda-graph-max-bs-decode 256")
+        assert args.speculative_ddtree_auto_widths == [8, 16]
+        assert any(r.levelno == logging.WARNING and "--cuda-graph-max-bs-decode 64 or lower" in r.getMessage()
+                   for r in caplog.records)
+        caplog.clear()
+        assert parse("--speculative-ddtree-budget auto --cuda-graph-max-bs-decode 64").speculative_ddtree_auto_widths[-1] == 64
+        assert not any("--cuda-graph-max-bs-decode" in r.getMessage() for r in caplog.records)
+    finally:
+        log.removeHandler(caplog.handler)
+
+
 def test_cycle_switch(monkeypatch, parse):
     from sglang.srt.speculative.ddtree_auto_v2 import CYCLE_ENV, OFF_ENV, auto_rounds, cycle_mode
 
