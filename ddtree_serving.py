@@ -26,6 +26,7 @@ from typing import Callable, NamedTuple
 
 __all__ = [
     "auto_verify_widths",
+    "auto_width_hint",
     "check_page_size",
     "DDTREE_AUTO",
     "DDTREE_AUTO_WIDTHS",
