@@ -266,7 +266,10 @@ def resolve_ddtree_server_args(
         server_args.speculative_ddtree_auto_widths = list(widths)
         budget = widths[-1] - 1
         logger.info("DDTREE budget auto: verify widths %s (budget %d sizes the round).", widths, budget)
-        hint = auto_width_hint(auto_max_batch(server_args), widths)
+        # with graphs off the rule's batch is the running cap, which the hint does not name
+        hint = None if getattr(server_args, "disable_cuda_graph", False) else auto_width_hint(
+            auto_max_batch(server_args), widths
+        )
         if hint:
             logger.warning(hint)
     if budget is None:

@@ -106,6 +106,10 @@ def test_budget_auto_at_the_default_graph_batch_warns_with_the_flag_to_change(pa
         caplog.clear()
         assert parse("--speculative-ddtree-budget auto --cuda-graph-max-bs-decode 64").speculative_ddtree_auto_widths[-1] == 64
         assert not any("--cuda-graph-max-bs-decode" in r.getMessage() for r in caplog.records)
+        # graphs off: the rule's batch is the running cap, and no graph flag is suggested
+        assert parse("--speculative-ddtree-budget auto --disable-cuda-graph --max-running-requests 256"
+                     ).speculative_ddtree_auto_widths == [8, 16]
+        assert not any("--cuda-graph-max-bs-decode" in r.getMessage() for r in caplog.records)
     finally:
         log.removeHandler(caplog.handler)
 
