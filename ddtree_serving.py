@@ -259,17 +259,13 @@ def resolve_ddtree_server_args(
     if auto:
         cap = server_args.speculative_ddtree_topk_cap
         cap = DDTREE_DEFAULT_TOPK_CAP if cap is None else max(1, int(cap))
-        widths = auto_verify_widths(
-            auto_max_batch(server_args),
-            tree_capacity(cap, block_size - 1, DDTREE_MAX_BUDGET),
-        )
+        max_batch = auto_max_batch(server_args)
+        widths = auto_verify_widths(max_batch, tree_capacity(cap, block_size - 1, DDTREE_MAX_BUDGET))
         server_args.speculative_ddtree_auto_widths = list(widths)
         budget = widths[-1] - 1
         logger.info("DDTREE budget auto: verify widths %s (budget %d sizes the round).", widths, budget)
         # with graphs off the rule's batch is the running cap, which the hint does not name
-        hint = None if getattr(server_args, "disable_cuda_graph", False) else auto_width_hint(
-            auto_max_batch(server_args), widths
-        )
+        hint = None if getattr(server_args, "disable_cuda_graph", False) else auto_width_hint(max_batch, widths)
         if hint:
             logger.warning(hint)
     if budget is None:

@@ -32,17 +32,21 @@ for c in ${conc//,/ }; do
   if ! [ "$c" -le "$max_bs" ] 2>/dev/null; then echo "CONC level $c is above MAX_BS $max_bs (or not a number)" >&2; exit 2; fi
 done
 mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+# The servers: 0.5.16 on a card of > 100 GB holds plain, DFLASH, b15 and auto+off; on a smaller
+# one plain and auto+off (lifted_setup's pin is PIN too).
+if [ "${PIN:-0.5.16}" != 0.5.16 ]; then budgets=63; without=()
+elif [ "${mem:-0}" -gt 100000 ]; then budgets=15,auto+off; without=(); else budgets=auto+off; without=(--without DFLASH); fi
+budgets=${BUDGETS:-$budgets}
+if [ -n "${WITHOUT+set}" ]; then without=(); [ -n "$WITHOUT" ] && without=(--without "$WITHOUT"); fi
 # b255 beside plain and DFLASH runs out of memory on an 80 GB card (thirteenth and sixteenth
 # sessions: 20 + 26 + 32 GB, then a 4.6 GiB logits copy): refused before any setup.
-# DFLASH runs unless WITHOUT names it, or WITHOUT is unset on a 0.5.16 card of <= 100 GB (below).
-if [ -n "${WITHOUT+set}" ]; then [[ ",$WITHOUT," == *,DFLASH,* ]] && dflash=0 || dflash=1
-elif [ "${PIN:-0.5.16}" = 0.5.16 ]; then dflash=0; else dflash=1; fi
-budgets_env=${BUDGETS:-}
-for b in ${budgets_env//,/ }; do
-  if [[ "$b" =~ ^[0-9]+$ ]] && [ "$b" -ge 255 ] && [ "${mem:-0}" -le 100000 ] && [ "$dflash" = 1 ]; then
-    echo "BUDGETS has b$b: it does not fit beside plain and DFLASH on this ${mem} MiB card; set WITHOUT=DFLASH" >&2; exit 2
-  fi
-done
+if [[ ",${without[1]:-}," != *,DFLASH,* ]] && [ "${mem:-0}" -le 100000 ]; then
+  for b in ${budgets//,/ }; do
+    if [[ "$b" =~ ^[0-9]+$ ]] && [ "$b" -ge 255 ]; then
+      echo "BUDGETS has b$b: it does not fit beside plain and DFLASH on this ${mem} MiB card; set WITHOUT=DFLASH" >&2; exit 2
+    fi
+  done
+fi
 # shellcheck source=bench/lifted_setup.sh
 source "$here/lifted_setup.sh"
 lifted_setup "$out" "$site" "$pair_tar" "$overlay" || exit 1
@@ -50,10 +54,6 @@ if [ "${TUNE_TREE_ATTN:-0}" = 1 ]; then  # time the tree attention's launch sett
   python3 "$here/tree_attn_bench.py" --json "$out/tree_attn.json" \
     --apply /tmp/site/sglang/srt/speculative/ddtree_utils.py 2>&1 | tee "$out/tree_attn.txt" | tail -12
 fi
-if [ "$pin" != 0.5.16 ]; then budgets=63; without=()
-elif [ "$mem" -gt 100000 ]; then budgets=15,auto+off; without=(); else budgets=auto+off; without=(--without DFLASH); fi
-budgets=${BUDGETS:-$budgets}
-if [ -n "${WITHOUT+set}" ]; then without=(); [ -n "$WITHOUT" ] && without=(--without "$WITHOUT"); fi
 python3 "$here/acceptance_run.py" --out "$out/acc" --pin "$pin" --pair /tmp/lifted --concurrency "$conc" \
   --budgets "$budgets" "${without[@]}" --waves "${WAVES:-2}" --order "${ORDER:-temps-first}" --ddtree-first --plain-last --phase-times --budget-s "$budget_s" \
   --common "$common --max-total-tokens 24576 $graph_bs $max_bs --max-running-requests $max_bs" 2>&1 \
