@@ -443,6 +443,10 @@ class BudgetController:
     the narrowest width runs :attr:`OFF_PROBE` times as often (every ``explore_every /
     OFF_PROBE``-th choice): off rounds draft nothing, so only these rounds update the trees'
     estimate.
+
+    ``limits`` (``{option: largest batch}``, ``ddtree_serving.auto_width_limits``; an option
+    not in it, or mapped to None, serves every batch): a width is offered, explored and warmed
+    up only for batches within its range (its verify graphs are captured only there).
     """
 
     OFF_PROBE = 4  # while off is best, the narrowest tree runs 4x as often as exploration's
@@ -459,8 +463,10 @@ class BudgetController:
         calibration: AcceptCalibration | None = None,
         explore_every: int = 64,
         initial: Mapping[Option, float] | None = None,
+        limits: Mapping[Option, int | None] | None = None,
     ):
         self.options = list(options)
+        self.limits = {o: (None if v is None else int(v)) for o, v in (limits or {}).items()}
         if set(self.options) - set(table.options):
             raise ValueError(f"no cost for {sorted(map(str, set(self.options) - set(table.options)))}")
         self.table = table
@@ -487,16 +493,22 @@ class BudgetController:
             out[o] = 1.0 if o == OFF else self.calibration.calibrate(o, self.predicted[o])
         return monotone_in_width(out)
 
+    def offers(self, option: Option, bs: int) -> bool:
+        """Whether a batch of ``bs`` requests may run ``option`` (its range, ``limits``)."""
+        limit = self.limits.get(option)
+        return limit is None or int(bs) <= limit
+
     def choose(self, bs: int) -> Option:
         self.choices += 1
-        missing = [o for o in self.table.missing(bs) if o in self.history]
+        missing = [o for o in self.table.missing(bs) if o in self.history and self.offers(o, bs)]
         if missing:  # warm-up: run every option once in this batch bucket to measure it
             best = missing[0]
             self.history[best] += 1
             self.last = best
             return best
-        costs = self.table.costs(bs)
+        costs = {o: c for o, c in self.table.costs(bs).items() if self.offers(o, bs)}
         best = best_option(bs, {o: e for o, e in self.expected().items() if o in costs}, costs)
+        widths = [w for w in self.widths if self.offers(w, bs)]
         # While off is best, a tree round comes every OFF_PROBE-th of the interval: an off round
         # drafts nothing, so the trees' estimate is frozen at the round that sent the choice to
         # off, and one low estimate (a batch of fresh requests) would otherwise hold off for a
@@ -504,18 +516,18 @@ class BudgetController:
         every = self.explore_every
         if best == OFF:  # not below every 4th choice, unless the interval itself is shorter
             every = min(every, max(4, every // self.OFF_PROBE))
-        if self.explore_every > 0 and self.choices % every == 0 and self.widths:
+        if self.explore_every > 0 and self.choices % every == 0 and widths:
             if not isinstance(best, int):  # chain / off: keep the narrowest tree's data current
-                best = self.widths[0]
+                best = widths[0]
             else:
-                i = self.widths.index(best)
+                i = widths.index(best)
                 up = (self.choices // self.explore_every) % 2 == 1
                 if i == 0 and not up and OFF in self.options:  # off is the narrowest's neighbour below
                     best = OFF
                 else:
-                    j = i + 1 if (up and i + 1 < len(self.widths)) or i == 0 else i - 1
-                    if 0 <= j < len(self.widths):
-                        best = self.widths[j]
+                    j = i + 1 if (up and i + 1 < len(widths)) or i == 0 else i - 1
+                    if 0 <= j < len(widths):
+                        best = widths[j]
         self.history[best] += 1
         self.last = best
         return best
@@ -550,6 +562,7 @@ class BudgetController:
             "expected_committed": {str(k): round(v, 4) for k, v in self.expected().items()},
             "chosen": {str(k): v for k, v in self.history.items()},
             "last": None if self.last is None else str(self.last),
+            "max_batch": {str(k): v for k, v in self.limits.items()},
         }
 
 
@@ -584,6 +597,11 @@ class AutoRounds:
     of verify width :data:`OFF_WIDTH` (only the root; no draft forward, so no estimate:
     :meth:`record` takes ``expected=None``). :meth:`choose` returns ``OFF_WIDTH`` for it;
     :attr:`verify_widths` lists it with the tree widths; the cycle starts with it.
+
+    ``limits`` (``{width: largest batch}``, ``ddtree_serving.auto_width_limits``): each tree
+    width serves only its own batch range, both for the controller and for the cycle; a round's
+    estimates feed back only the widths its batch may run (the tree of a large batch is built
+    for the widest width in range, so wider columns of its estimate are not that width's).
     """
 
     def __init__(
@@ -598,6 +616,7 @@ class AutoRounds:
         explore_every: int = 64,
         log_interval: int = 200,
         off: bool = False,
+        limits: Mapping[int, int | None] | None = None,
     ):
         self.widths = sorted(int(w) for w in widths)
         if not self.widths or self.widths[0] < 1 or self.widths[-1] > int(budget) + 1:
@@ -609,7 +628,10 @@ class AutoRounds:
         self.index = width_gather_index(self.widths, self.budget, device)
         options = [*self.widths, *([OFF] if self.off else [])]
         table = CostTable(buckets, options, graph_sizes=graph_sizes)
-        self.controller = BudgetController(options, table, explore_every=explore_every)
+        limits = {int(w): limit for w, limit in (limits or {}).items()}
+        if set(limits) - set(self.widths):
+            raise ValueError(f"limits for widths not served: {sorted(set(limits) - set(self.widths))}")
+        self.controller = BudgetController(options, table, explore_every=explore_every, limits=limits)
         # The verify widths the worker needs a state for; the cycle's order.
         self.verify_widths = [*([OFF_WIDTH] if self.off else []), *self.widths]
         self.cycle = bool(cycle)
@@ -646,7 +668,8 @@ class AutoRounds:
         if not self.cycle:
             o = self.controller.choose(int(bs))
             return OFF_WIDTH if o == OFF else int(o)
-        w = self.verify_widths[(self.rounds - 1) % len(self.verify_widths)]
+        ws = [w for w in self.verify_widths if self.controller.offers(self.option(w), bs)]
+        w = ws[(self.rounds - 1) % len(ws)]
         o = self.option(w)
         self.controller.history[o] += 1
         self.controller.last = o
@@ -689,7 +712,9 @@ class AutoRounds:
         if n != bs:
             self.dropped += 1
             return False
-        sums = {} if slot is None else dict(zip(self.widths, self.ring[slot].tolist()))
+        sums = {} if slot is None else {
+            w: s for w, s in zip(self.widths, self.ring[slot].tolist()) if self.controller.offers(w, bs)
+        }
         realised = float(sum(int(x) for x in num_correct_drafts_per_req)) + n
         option = self.option(width)
         self.controller.observe(option, sums, realised, n)

@@ -25,8 +25,10 @@ import logging
 from typing import Callable, NamedTuple
 
 __all__ = [
+    "auto_decode_reserve_len",
     "auto_verify_widths",
-    "auto_width_hint",
+    "auto_widest_width",
+    "auto_width_limits",
     "check_page_size",
     "DDTREE_AUTO",
     "DDTREE_AUTO_WIDTHS",
@@ -52,6 +54,7 @@ __all__ = [
     "verify_max_running_requests",
     "VERIFY_SAMPLING_WORKSPACE_ROWS",
     "verify_token_limit",
+    "width_graph_bs",
     "worker_shape",
     "WorkerShape",
 ]
@@ -133,9 +136,13 @@ def auto_verify_widths(
 ) -> tuple:
     """The verify widths ``--speculative-ddtree-budget auto`` may use, ascending: ``2 <= w <=
     DDTREE_MAX_BUDGET + 1``, ``w - 1`` nodes that the tree can hold (``capacity``,
-    :func:`tree_capacity`), and the memory rule ``w * max_batch <= max_graph_tokens`` (every
-    width's verify graphs cover every batch size up to ``max_batch``, the largest CUDA-graph
-    batch size, or the running-request cap without graphs). ValueError when none is left."""
+    :func:`tree_capacity`) and ``w <= max_graph_tokens`` (one request's verify fits a graph).
+
+    Each width has a batch range of its own (:func:`auto_width_limits`): a verify holds at most
+    ``max_graph_tokens`` tokens, so width ``w`` serves batches up to about ``max_graph_tokens //
+    w`` and the narrowest width serves every batch up to ``max_batch`` (the largest CUDA-graph
+    batch size, or the running-request cap without graphs): it must fit ``w * max_batch <=
+    max_graph_tokens``. ValueError when no width is left or the narrowest does not fit."""
     max_batch, capacity = int(max_batch), int(capacity)
     if max_batch < 1:
         raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -145,37 +152,72 @@ def auto_verify_widths(
             for w in widths
             if 2 <= int(w) <= DDTREE_MAX_BUDGET + 1
             and int(w) - 1 <= capacity
-            and int(w) * max_batch <= max_graph_tokens
+            and int(w) <= max_graph_tokens
         }
     )
-    if not keep:
+    if not keep or keep[0] * max_batch > max_graph_tokens:
         raise ValueError(
             f"DDTREE --speculative-ddtree-budget auto: no verify width in "
-            f"{sorted(int(w) for w in widths)} fits {max_graph_tokens} tokens per verify graph "
-            f"at batch {max_batch} and a tree of at most {capacity} nodes; lower "
+            f"{sorted(int(w) for w in widths)} fits {max_graph_tokens} tokens per verify at "
+            f"batch {max_batch} and a tree of at most {capacity} nodes; lower "
             "--cuda-graph-max-bs / --max-running-requests or pass a fixed budget."
         )
     return tuple(keep)
 
 
-def auto_width_hint(
-    max_batch: int,
+def auto_width_limits(
     widths,
-    want: int = 64,
+    graph_bs,
     max_graph_tokens: int = DDTREE_MAX_CUDA_GRAPH_TOKENS,
-) -> str | None:
-    """A start-up warning when the memory rule of :func:`auto_verify_widths` leaves ``auto``
-    no width of at least ``want`` (the width that served batch 1 best on the lifted pair) only
-    because the decode CUDA graphs reach ``max_batch``: the graph batch that would allow it.
-    None when such a width is there, or when the tree (not the graphs) is the limit."""
-    if max(widths) >= want or int(max_batch) * want <= max_graph_tokens:
-        return None
-    return (
-        f"DDTREE budget auto: the decode CUDA graphs reach batch {int(max_batch)}, so the widest "
-        f"verify is {max(widths)} tokens ({max_graph_tokens} tokens per graph); trees of "
-        f"{want} tokens, which small batches gain from, need --cuda-graph-max-bs-decode "
-        f"{max_graph_tokens // want} or lower (larger batches then run without CUDA graphs)."
-    )
+) -> dict:
+    """``{width: largest batch it verifies}`` for budget auto's tree widths (ascending, from
+    :func:`auto_verify_widths`); the narrowest maps to None: it serves every batch.
+
+    With CUDA graphs (``graph_bs``: the decode graph batch sizes) a width ``w`` captures the
+    sizes ``g`` with ``g * w <= max_graph_tokens`` (:func:`width_graph_bs`) and serves the batches
+    up to the largest of them, so every batch it serves pads to one of its own graphs. Without
+    graphs (``graph_bs`` empty) it serves batches up to ``max_graph_tokens // w``. The worker's
+    controller offers a width only within its range, the draft tree of a batch is built for the
+    widest width in range (:func:`auto_widest_width`), and the scheduler's KV reservation follows
+    that width too."""
+    widths = sorted(int(w) for w in widths)
+    sizes = sorted({int(b) for b in (graph_bs or [])})
+    out: dict = {}
+    for i, w in enumerate(widths):
+        if i == 0:
+            out[w] = None
+            continue
+        if not sizes:
+            out[w] = max(1, max_graph_tokens // w)
+            continue
+        # 0: no graph holds even the smallest batch at this width, so it is never offered
+        out[w] = max((g for g in sizes if g * w <= max_graph_tokens), default=0)
+    return out
+
+
+def auto_widest_width(bs: int, limits) -> int:
+    """The widest tree width whose range (:func:`auto_width_limits`) holds a batch of ``bs``."""
+    return max(w for w, limit in limits.items() if limit is None or int(bs) <= limit)
+
+
+def width_graph_bs(batch_sizes, verify_width: int, max_graph_tokens: int = DDTREE_MAX_CUDA_GRAPH_TOKENS) -> list:
+    """The CUDA-graph batch sizes a DDTREE target runner of ``verify_width`` tokens a request
+    captures: those of ``batch_sizes`` that hold at most ``max_graph_tokens`` tokens, at least the
+    smallest one. For a fixed budget the list was trimmed at start-up already
+    (:func:`verify_cuda_graph_bs`); for budget auto each width keeps its own range."""
+    sizes = sorted(int(b) for b in batch_sizes)
+    return [b for b in sizes if b * int(verify_width) <= max_graph_tokens] or sizes[:1]
+
+
+def auto_decode_reserve_len(bs: int, limits, block_size: int) -> int:
+    """KV slots a request reserves past its committed length for a round of ``bs`` requests
+    under budget auto: the fixed budget's rule (``(D + 1) + max(block, N + D + 1)``, the 0.5.16
+    hook's ``ddtree_decode_reserve_len``) at the widest width the batch may run
+    (:func:`auto_widest_width`), D = ``block_size - 1``. A large batch runs narrow trees only, so
+    it reserves a narrow tree's slots rather than the widest width's."""
+    n = auto_widest_width(bs, limits)
+    depth = min(n - 1, int(block_size) - 1)
+    return (depth + 1) + max(int(block_size), n + depth + 1)
 
 
 def tree_capacity(topk_cap: int, max_depth: int, budget: int) -> int:
@@ -206,8 +248,9 @@ def resolve_ddtree_server_args(
 
     ``--speculative-ddtree-budget auto`` (a pin that runs it passes ``auto_max_batch``: the
     largest batch one verify may hold after the DFLASH handling, e.g. the largest CUDA-graph
-    batch size): the budget becomes the widest of :func:`auto_verify_widths` minus one (every
-    size derived from the budget then covers every width) and
+    batch size, which the narrowest width must serve): the budget becomes the widest of
+    :func:`auto_verify_widths` minus one (the tree buffers and the static sizes cover every
+    width; each width serves its own batch range, :func:`auto_width_limits`) and
     ``speculative_ddtree_auto_widths`` lists the widths; the verify width varies per round, so
     ``--speculative-num-draft-tokens`` is refused with it.
 
@@ -263,11 +306,12 @@ def resolve_ddtree_server_args(
         widths = auto_verify_widths(max_batch, tree_capacity(cap, block_size - 1, DDTREE_MAX_BUDGET))
         server_args.speculative_ddtree_auto_widths = list(widths)
         budget = widths[-1] - 1
-        logger.info("DDTREE budget auto: verify widths %s (budget %d sizes the round).", widths, budget)
-        # with graphs off the rule's batch is the running cap, which the hint does not name
-        hint = None if getattr(server_args, "disable_cuda_graph", False) else auto_width_hint(max_batch, widths)
-        if hint:
-            logger.warning(hint)
+        logger.info(
+            "DDTREE budget auto: verify widths %s, each over its own batch range (budget %d "
+            "sizes the tree buffers).",
+            widths,
+            budget,
+        )
     if budget is None:
         budget = block_size - 1
     budget = int(budget)

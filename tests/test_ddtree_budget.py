@@ -136,36 +136,73 @@ def test_parse_budget():
     widths=st.lists(st.integers(-4, 2048), min_size=1, max_size=8),
 )
 @settings(max_examples=200, deadline=None)
-def test_auto_widths_are_exactly_those_within_the_memory_rule(max_batch, capacity, widths):
-    want = sorted({w for w in widths if 2 <= w <= 1024 and w - 1 <= capacity and w * max_batch <= 4096})
-    if not want:
+def test_auto_widths_fit_one_request_and_the_narrowest_every_batch(max_batch, capacity, widths):
+    """Every width a verify of one request holds and the tree can fill; the narrowest must hold
+    the largest batch (it serves every batch), the others serve their own range."""
+    want = sorted({w for w in widths if 2 <= w <= 1024 and w - 1 <= capacity})
+    if not want or want[0] * max_batch > 4096:
         with pytest.raises(ValueError, match="no verify width"):
             ds.auto_verify_widths(max_batch, capacity, widths)
     else:
         assert list(ds.auto_verify_widths(max_batch, capacity, widths)) == want
 
 
-def test_default_widths_under_the_memory_rule():
-    assert ds.auto_verify_widths(16, 10**6) == (8, 16, 32, 64, 128, 256)
-    assert ds.auto_verify_widths(48, 10**6) == (8, 16, 32, 64)  # 48 * 128 > 4096
+def test_default_widths_at_the_default_graph_batches():
+    # 0.5.16's default decode graphs reach batch 256 (TP < 4) and 512 (TP >= 4): every width
+    # stays, each over its own batch range
+    for max_batch in (16, 48, 256, 512):
+        assert ds.auto_verify_widths(max_batch, 10**6) == (8, 16, 32, 64, 128, 256)
     assert ds.auto_verify_widths(16, 40) == (8, 16, 32)  # a tree of 40 nodes: widths up to 41
+    with pytest.raises(ValueError, match="no verify width"):  # width 8 cannot verify 1024 requests
+        ds.auto_verify_widths(1024, 10**6)
 
 
-@pytest.mark.parametrize(("max_batch", "capacity", "hint"), [
-    (256, 10**6, "--cuda-graph-max-bs-decode 64 or lower"),  # 0.5.16's default graphs on an H100 / H200
-    (512, 10**6, "the widest verify is 8 tokens"),  # its default at TP >= 4
-    (64, 10**6, None),  # the benchmarks' cap: width 64 is there
-    (16, 40, None),  # the tree, not the graphs, stops at 32
-])
-def test_auto_warns_when_the_graph_batch_alone_keeps_wide_trees_out(max_batch, capacity, hint):
-    """auto_width_hint: a start-up warning with the graph batch that lets width 64 in, only where
-    the CUDA graphs' batch is what leaves it out."""
-    got = ds.auto_width_hint(max_batch, ds.auto_verify_widths(max_batch, capacity))
-    if hint is None:
-        assert got is None
-    else:
-        assert hint in got and f"reach batch {max_batch}" in got
-        assert 64 in ds.auto_verify_widths(4096 // 64, capacity)  # the advice holds
+@given(
+    widths=st.lists(st.sampled_from([2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]), min_size=1, max_size=6, unique=True),
+    graph_bs=st.lists(st.integers(1, 600), max_size=12),
+    bs=st.integers(1, 600),
+)
+@settings(max_examples=300, deadline=None)
+def test_width_limits_keep_every_verify_in_its_own_graphs(widths, graph_bs, bs):
+    """auto_width_limits: a batch a width serves pads to a graph of that width's own list
+    (width_graph_bs: at most 4096 tokens), or fits 4096 tokens eagerly; the narrowest serves
+    every batch; the widest width in range is the draft tree's and the reservation's."""
+    widths = sorted(widths)
+    limits = ds.auto_width_limits(widths, graph_bs)
+    assert limits[widths[0]] is None
+    sizes = sorted(set(graph_bs))
+    for w in widths[1:]:
+        limit = limits[w]
+        if sizes:
+            own = ds.width_graph_bs(sizes, w)
+            fit = [g for g in sizes if g * w <= 4096]
+            assert own == (fit or sizes[:1])
+            assert limit == (max(fit) if fit else 0)
+            if limit and bs <= limit:  # the batch pads to a graph of its own width
+                assert any(g >= bs and g * w <= 4096 for g in own)
+        else:
+            assert limit == 4096 // w and limit * w <= 4096 < (limit + 1) * w
+    widest = ds.auto_widest_width(bs, limits)
+    assert widest in widths and all(
+        w <= widest for w in widths if limits[w] is None or bs <= limits[w]
+    )
+    reserve = ds.auto_decode_reserve_len(bs, limits, block_size=16)
+    depth = min(widest - 1, 15)
+    assert reserve == depth + 1 + max(16, widest + depth + 1)
+    assert reserve <= ds.auto_decode_reserve_len(1, limits, block_size=16)  # batch 1: the widest
+
+
+def test_default_width_ranges_at_256():
+    """0.5.16's default graph list on an H100 (1..256): width 256 to batch 16, 64 to 64, 8 all."""
+    graph_bs = [1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 72, 80, 96, 112, 128, 160, 192, 224, 256]
+    limits = ds.auto_width_limits((8, 16, 32, 64, 128, 256), graph_bs)
+    assert limits == {8: None, 16: 256, 32: 128, 64: 64, 128: 32, 256: 16}
+    assert [ds.auto_widest_width(b, limits) for b in (1, 16, 17, 64, 65, 256, 300)] == [256, 256, 128, 64, 32, 16, 8]
+    # the reservation follows: 288 slots a request at batch 1 (width 256, block 16), 48 at 300
+    assert ds.auto_decode_reserve_len(1, limits, 16) == 16 + 256 + 16
+    assert ds.auto_decode_reserve_len(300, limits, 16) == 8 + 16
+    # graphs off: the token rule alone
+    assert ds.auto_width_limits((8, 64, 256), []) == {8: None, 64: 64, 256: 16}
 
 
 # ------------------------------------------------------------------------------------------
@@ -651,7 +688,8 @@ def _dflash(args):
 
 
 @pytest.mark.parametrize(("max_batch", "cap", "widths"), [
-    (16, None, [8, 16, 32, 64, 128, 256]), (48, None, [8, 16, 32, 64]), (512, None, [8]), (4, 2, [8, 16, 32, 64, 128, 256]), (4, 1, [8, 16]),
+    (16, None, [8, 16, 32, 64, 128, 256]), (48, None, [8, 16, 32, 64, 128, 256]), (512, None, [8, 16, 32, 64, 128, 256]),
+    (4, 2, [8, 16, 32, 64, 128, 256]), (4, 1, [8, 16]),
 ])
 def test_resolve_auto_sizes_the_round_for_the_widest_width(max_batch, cap, widths):
     args = _args(speculative_ddtree_budget="auto", speculative_ddtree_topk_cap=cap)
@@ -711,6 +749,38 @@ def test_auto_rounds_feed_the_controller_one_round_late():
     assert [w for w, _ in issued] == [2, 2, 2]
     assert r.controller.table.cost(4, 2) == pytest.approx(0.002 * 0.9 + 0.003 * 0.1)
     assert r.snapshot()["observed_rounds"] == 3
+
+
+def test_auto_rounds_offer_each_width_only_within_its_batch_range():
+    """limits (ddtree_serving.auto_width_limits): the controller warms up, chooses and explores
+    a width only for batches in its range, the cycle skips widths out of range, and a round's
+    estimate updates only the widths its batch may run."""
+    widths, limits = [8, 16, 64], {8: None, 16: 8, 64: 2}
+    r = db.AutoRounds(widths, 63, [1, 2, 4, 8, 16], explore_every=4, limits=limits, off=True)
+    for bs in (1, 2, 3, 8, 9, 16):
+        seen = set()
+        for _ in range(40):
+            w = r.choose(bs)
+            seen.add(w)
+            r.record(w, None if w == db.OFF_WIDTH else torch.full((bs, 3), 2.0), 0.0, 0.001 * w, bs=bs)
+            r.on_verify_complete_cpu([1] * bs, bs)
+        offered = {w for w in widths if limits[w] is None or bs <= limits[w]}
+        assert seen - {db.OFF_WIDTH} <= offered, (bs, seen)
+        assert offered <= seen | {db.OFF_WIDTH}  # warm-up runs every offered width once
+    with pytest.raises(ValueError, match="not served"):
+        db.AutoRounds(widths, 63, [1, 2], limits={8: None, 32: 4})
+    # an estimate of a batch of 9 feeds width 8 only (16 and 64 are out of its range)
+    r = db.AutoRounds(widths, 63, [1, 16], limits=limits)
+    before = dict(r.controller.predicted)
+    r.record(8, torch.tensor([[3.0, 5.0, 9.0]]).repeat(9, 1), bs=9)
+    r.on_verify_complete_cpu([2] * 9, 9)
+    assert r.controller.predicted[8] == pytest.approx(3.0)
+    assert r.controller.predicted[16] == before[16] and r.controller.predicted[64] == before[64]
+    # the cycle: the widths of the batch's range in turn
+    c = db.AutoRounds(widths, 63, [1, 16], cycle=True, off=True, limits=limits)
+    assert [c.choose(2) for _ in range(4)] == [1, 8, 16, 64]
+    assert {c.choose(9) for _ in range(6)} == {1, 8}
+    assert c.snapshot()["max_batch"] == {"8": None, "16": 8, "64": 2}
 
 
 def test_auto_rounds_cycle_overflow_and_event_timing():

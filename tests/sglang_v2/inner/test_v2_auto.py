@@ -57,15 +57,18 @@ def parse(models):
     ("extra", "widths"),
     [
         ("--cuda-graph-max-bs 16", [8, 16, 32, 64, 128, 256]),
-        ("--cuda-graph-max-bs 48", [8, 16, 32, 64]),
+        ("--cuda-graph-max-bs 48", [8, 16, 32, 64, 128, 256]),
+        ("--cuda-graph-max-bs-decode 256", [8, 16, 32, 64, 128, 256]),
         ("--disable-cuda-graph --max-running-requests 8", [8, 16, 32, 64, 128, 256]),
     ],
 )
 def test_budget_auto_resolves_its_widths_and_is_served(parse, extra, widths):
-    """auto parses, resolves the widths of the memory rule at the largest graph batch (or the
-    running cap) and starts: the widest width sizes the round; the worker's round feed gets the
-    widths and cost buckets (the graph batch sizes, plus the running cap above them)."""
-    from sglang.srt.speculative.ddtree_auto_v2 import auto_rounds
+    """auto parses, resolves its widths and starts: the widest width sizes the tree buffers;
+    the worker's round feed gets the widths, each with its own batch range (the graph sizes of at
+    most 4096 tokens at that width; the narrowest serves every batch), and cost buckets (the
+    graph batch sizes, plus the running cap above them)."""
+    from sglang.srt.speculative import ddtree_serving as ds
+    from sglang.srt.speculative.ddtree_auto_v2 import auto_rounds, width_limits
 
     args = parse(f"--speculative-ddtree-budget auto {extra}")
     assert args.speculative_ddtree_auto_widths == widths
@@ -79,39 +82,70 @@ def test_budget_auto_resolves_its_widths_and_is_served(parse, extra, widths):
     if graph_bs:
         assert table.buckets == graph_bs + ([cap] if cap > graph_bs[-1] else [])
         assert table.graph_sizes == graph_bs
+        # the list is trimmed for the narrowest width only: 8 x 512 = 4096 tokens
+        assert max(graph_bs) == min(int(extra.split()[-1]), 512)
     else:
         assert table.buckets[-1] == cap and all(b & (b - 1) == 0 for b in table.buckets[:-1])
-    # a fixed budget has no feed
-    assert auto_rounds(parse("--speculative-ddtree-budget 15"), "cpu") is None
+    limits = width_limits(args)
+    assert limits == ds.auto_width_limits(widths, graph_bs) and limits[widths[0]] is None
+    assert rounds.controller.limits == limits
+    # a fixed budget has no feed and no ranges
+    fixed = parse("--speculative-ddtree-budget 15")
+    assert auto_rounds(fixed, "cpu") is None and width_limits(fixed) is None
     with pytest.raises(SystemExit):  # argparse: not an integer nor auto
         parse("--speculative-ddtree-budget 63x")
     with pytest.raises(ValueError, match="drop --speculative-num-draft-tokens"):
         parse("--speculative-ddtree-budget AUTO --speculative-num-draft-tokens 16")
 
 
-def test_budget_auto_at_the_default_graph_batch_warns_with_the_flag_to_change(parse, caplog):
-    """At 0.5.16's default decode graphs on an 80-160 GB card (batch 256 at TP < 4) the memory
-    rule leaves auto widths 8 and 16; start-up says so and names the flag that admits wider ones."""
-    import logging
+def test_budget_auto_at_the_default_graph_batch_keeps_every_width_in_its_range(parse):
+    """At 0.5.16's default decode graphs on an 80-160 GB card (batch 256 at TP < 4) auto keeps
+    every width: width 256 up to batch 16, 64 up to 64, 8 every batch (before the ranges, the
+    memory rule left widths 8 and 16 only). Graph batches above 512 (width 8 x 512 = 4096) are
+    refused with the flag to change."""
+    from sglang.srt.speculative.ddtree_auto_v2 import width_limits
 
-    from sglang.srt.speculative import ddtree_serving
+    args = parse("--speculative-ddtree-budget auto --cuda-graph-max-bs-decode 256")
+    assert args.speculative_ddtree_auto_widths == [8, 16, 32, 64, 128, 256]
+    limits = width_limits(args)
+    graph_bs = sorted(set(args.cuda_graph_config.decode.bs))
+    for w in (16, 32, 64, 128, 256):
+        assert limits[w] == max(g for g in graph_bs if g * w <= 4096)
+    assert limits[256] == 16 and limits[64] == 64 and limits[8] is None
+    with pytest.raises(ValueError, match="no verify width"):
+        parse("--speculative-ddtree-budget auto --cuda-graph-max-bs-decode 1024")
 
-    log = logging.getLogger(ddtree_serving.__name__)  # SGLang's loggers do not propagate to the root
-    log.addHandler(caplog.handler)
-    try:
-        args = parse("--speculative-ddtree-budget auto --cuda-graph-max-bs-decode 256")
-        assert args.speculative_ddtree_auto_widths == [8, 16]
-        assert any(r.levelno == logging.WARNING and "--cuda-graph-max-bs-decode 64 or lower" in r.getMessage()
-                   for r in caplog.records)
-        caplog.clear()
-        assert parse("--speculative-ddtree-budget auto --cuda-graph-max-bs-decode 64").speculative_ddtree_auto_widths[-1] == 64
-        assert not any("--cuda-graph-max-bs-decode" in r.getMessage() for r in caplog.records)
-        # graphs off: the rule's batch is the running cap, and no graph flag is suggested
-        assert parse("--speculative-ddtree-budget auto --disable-cuda-graph --max-running-requests 256"
-                     ).speculative_ddtree_auto_widths == [8, 16]
-        assert not any("--cuda-graph-max-bs-decode" in r.getMessage() for r in caplog.records)
-    finally:
-        log.removeHandler(caplog.handler)
+
+def test_budget_auto_reserves_kv_for_the_widest_width_of_the_batch(parse):
+    """The KV a request keeps past its committed length (DFlashDraftInputV2.decode_reserve_len,
+    through the hook's ddtree_decode_reserve_len) and the scheduler's memory check
+    (allocation_sizing.get_alloc_reserve_per_decode) follow the widest width the batch may run:
+    (D + 1) + max(block, N + D + 1) at that N. Without a batch size (start-up sizing, the
+    req_to_token row) it is the widest width's; DFLASH and fixed budgets ignore the batch size."""
+    from sglang.srt.arg_groups.ddtree_hook import ddtree_decode_reserve_len
+    from sglang.srt.mem_cache import allocation_sizing as al
+    from sglang.srt.speculative import ddtree_serving as ds
+    from sglang.srt.speculative.ddtree_auto_v2 import width_limits
+
+    args = parse("--speculative-ddtree-budget auto --cuda-graph-max-bs-decode 256")
+    block = int(args.speculative_dflash_block_size)
+    depth = block - 1
+    limits = width_limits(args)
+    widest = ddtree_decode_reserve_len(args)
+    assert widest == (depth + 1) + max(block, 256 + depth + 1)
+    for bs in (1, 16, 17, 64, 65, 200, 256):
+        n = ds.auto_widest_width(bs, limits)
+        want = (min(n - 1, depth) + 1) + max(block, n + min(n - 1, depth) + 1)
+        assert ddtree_decode_reserve_len(args, bs) == want <= widest
+        check = al.get_alloc_reserve_per_decode(args, batch_size=bs)
+        assert want <= check <= want + 1  # twice the rounded-up half
+    assert ddtree_decode_reserve_len(args, 256) < ddtree_decode_reserve_len(args, 1) == widest
+    # the static sizes (no batch size) keep the widest width's reservation
+    assert al.get_alloc_reserve_per_decode(args) >= widest
+    assert al.get_req_to_token_extra_context_len(args) >= widest
+    fixed = parse("--speculative-ddtree-budget 63")
+    assert ddtree_decode_reserve_len(fixed, 256) == ddtree_decode_reserve_len(fixed)
+    assert al.get_alloc_reserve_per_decode(fixed, batch_size=256) == al.get_alloc_reserve_per_decode(fixed)
 
 
 def test_cycle_switch(monkeypatch, parse):
@@ -202,6 +236,48 @@ def test_proposer_prices_every_width(parse):
     plain = DDTreeProposer(weight=torch.eye(vocab), num_org=vocab, org_vocab_start=0, block_size=block,
                            budget=15, topk=k, max_depth=block - 1, max_bs=8)  # a fixed budget
     assert plain.compute(hs)[5] is None and plain.captured(3)[5] is None
+
+
+def test_proposer_builds_each_batch_the_tree_of_the_widest_width_in_its_range():
+    """With width ranges a batch's tree has the budget of the widest width whose range holds
+    it (so large batches do not build trees they cannot verify): its outputs equal a direct build
+    at that budget, the capture hook writes them into the buffers' first columns, and the
+    truncation to any width in range gives the tree of that width. warm() runs one eager call
+    per budget before capture (the tree kernels' first-use tables)."""
+    from sglang.srt.speculative.ddtree_worker_v2 import DDTreeProposer
+
+    widths, block, vocab, k = [2, 4, 8, 16], 5, 12, 4
+    limits = {2: None, 4: 4, 8: 2, 16: 1}
+    prop = DDTreeProposer(weight=torch.eye(vocab), num_org=vocab, org_vocab_start=0, block_size=block,
+                          budget=15, topk=k, max_depth=block - 1, max_bs=8, widths=widths, limits=limits)
+    assert [prop.budget_at(b) for b in (1, 2, 3, 4, 5, 8)] == [15, 7, 3, 3, 1, 1]
+    g = torch.Generator().manual_seed(1)
+    for bs in (1, 2, 3, 6):
+        hs = torch.randn(bs * block, vocab, generator=g) * 2
+        budget = prop.budget_at(bs)
+        out = prop.compute(hs)
+        logp, ids = du.draft_topk_logprobs(hs.view(bs, block, vocab)[:, 1:], k, backend="torch")
+        tree = du.build_tree(logp, ids, budget, topk_cap=min(k, budget), backend="torch")
+        zeros = torch.zeros(bs, dtype=torch.int64)
+        compiled = du.compile_tree(tree, zeros, zeros, build_custom_mask=False, max_depth=block - 1)
+        want = (compiled.draft_tokens.view(bs, budget + 1), compiled.depth, compiled.retrieve_next_token,
+                compiled.retrieve_next_sibling, compiled.tree_mask)
+        for got, ref in zip(out[:5], want):
+            assert torch.equal(got, ref)
+        assert torch.allclose(out[5], db.expected_committed(tree.score, db.width_gather_index(widths, budget)))
+        prop(hs)  # the capture hook: the first budget + 1 columns
+        captured = prop.captured(bs)
+        for w in widths:
+            if limits[w] is not None and bs > limits[w]:
+                continue
+            cut = db.truncate_tree(*captured[:5], w)
+            for got, ref in zip(cut, db.truncate_tree(*out[:5], w)):
+                assert torch.equal(got, ref)
+    seen = []
+    real = prop.compute
+    prop.compute = lambda x, budget=None: seen.append((x.shape[0] // block, budget)) or real(x, budget)
+    prop.warm(vocab, torch.float32)
+    assert sorted(seen) == [(1, 1), (1, 3), (1, 7), (1, 15)]
 
 
 def _worker_stub(rounds):
