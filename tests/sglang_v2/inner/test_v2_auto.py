@@ -387,6 +387,78 @@ def test_rounds_at_changing_widths_give_the_targets_greedy_tokens(cycle):
         assert costs[w] == pytest.approx(1e-3 * (1.0 + 0.05 * bs * w))
 
 
+def test_rounds_of_changing_batches_keep_each_width_in_its_range_and_the_greedy_tokens():
+    """Batch ranges per width (ddtree_serving.auto_width_limits over graph sizes 1, 2, 4, 8 at
+    32 tokens a graph: width 16 up to batch 2, 8 up to 4, 4 up to 8, 2 every batch). 6 requests,
+    40 rounds, each round a random subset of 1..6 of them (the scheduler's batch changes): the
+    draft tree built as the draft graph does (the batch padded to a graph size, the capture hook
+    at the padded size's budget, read back with captured()), the width from the real AutoRounds
+    (controller with exploration), the walk and commit of the worker, the results one round late
+    through the scheduler's _resolve_spec_v2_tokens. Every round's width is within its batch's
+    range and its padded tree holds it; every request's tokens are the target's greedy ones."""
+    import ddtree_serving as ds
+
+    widths, block, vocab, k, graph_bs = [2, 4, 8, 16], 5, 12, 4, [1, 2, 4, 8]
+    limits = ds.auto_width_limits(widths, graph_bs, max_graph_tokens=32)
+    assert limits == {2: None, 4: 8, 8: 4, 16: 2}
+    depth = block - 1
+    g = torch.Generator().manual_seed(11)
+    table = torch.randn(vocab, vocab, generator=g) * 3
+    from sglang.srt.speculative.ddtree_worker_v2 import DDTreeProposer
+
+    prop = DDTreeProposer(weight=torch.eye(vocab), num_org=vocab, org_vocab_start=0, block_size=block,
+                          budget=15, topk=k, max_depth=depth, max_bs=8, widths=widths, limits=limits)
+    rounds = db.AutoRounds(widths, 15, graph_bs, graph_sizes=graph_bs, explore_every=3, limits=limits, off=True)
+    worker = _worker_stub(rounds)
+    roots = torch.randint(0, vocab, (6,), generator=g)
+    seqs = [[int(r)] for r in roots]
+    waiting, ran = None, []
+    sizes = [1, 1, 1, 2, 2, 3, 5, 6]
+    for _ in range(60):
+        m = sizes[int(torch.randint(0, len(sizes), (1,), generator=g))]
+        active = torch.randperm(6, generator=g)[:m].sort().values
+        root = roots[active]
+        hs = torch.zeros(m, block, vocab)
+        tok = root.clone()
+        for d in range(1, block):
+            hs[:, d] = table[tok] + torch.randn(m, vocab, generator=g) * 2.5
+            tok = table[tok].argmax(-1)
+        padded = next(b for b in graph_bs if b >= m)
+        prop(torch.cat([hs, torch.zeros(padded - m, block, vocab)]).view(padded * block, vocab))
+        tokens, tdepth, next_token, next_sibling, tree_mask, expected = prop.captured(m)
+        w = rounds.choose(m)
+        ran.append((m, w))
+        if w == db.OFF_WIDTH:
+            expected = None
+        else:
+            assert limits[w] is None or m <= limits[w]
+            assert w - 1 <= prop.budget_at(padded)
+        tokens = tokens.clone()
+        tokens[:, 0].copy_(root)
+        tokens, tdepth, next_token, next_sibling, tree_mask = db.truncate_tree(
+            tokens, tdepth, next_token, next_sibling, tree_mask, w)
+        predict = table[tokens].argmax(-1)
+        index = torch.arange(m * w).view(m, w)
+        acc_idx, acc_len, bonus = du.accept_tree_greedy(
+            tokens.contiguous(), predict, index, next_token, next_sibling, depth)
+        out, commit, _ = du.tree_commit_layout(acc_idx, acc_len, bonus, tokens, block)
+        rounds.record(w, expected, 0.0, 1e-3 * (1.0 + 0.05 * m * w), bs=m)
+        if waiting is not None:
+            for b, toks in zip(waiting[0].tolist(), _resolve(worker, *waiting[1:])):
+                seqs[b] += toks
+        waiting = (active, out, commit, block, m)
+        roots[active] = bonus
+    for b, toks in zip(waiting[0].tolist(), _resolve(worker, *waiting[1:])):
+        seqs[b] += toks
+    for s in seqs:
+        want = s[:1]
+        while len(want) < len(s):
+            want.append(int(table[want[-1]].argmax()))
+        assert s == want
+    assert rounds.observed == 60 and rounds.dropped == 0
+    assert any(w == 16 for m, w in ran) and any(m > 2 for m, w in ran)  # both ends of the ranges ran
+
+
 def test_a_result_of_another_batch_size_is_dropped_not_observed():
     rounds = db.AutoRounds([2, 4], 3, [1, 4])
     rounds.record(4, torch.ones(3, 2) * 2, 0.0, 1e-3)
