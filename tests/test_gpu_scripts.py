@@ -185,6 +185,30 @@ def test_e2e_startup_table_check_reads_the_snapshot_auto_rounds_writes():
     assert not e2e.startup_table_ok(json.loads(json.dumps(r2.snapshot())), graphs=True)  # 16 unseeded
 
 
+def test_e2e_range_check_reads_the_snapshot_auto_rounds_writes():
+    """ddtree_e2e's batch-range check (startup_seeds_in_range) against the real AutoRounds'
+    snapshot with width ranges (synthetic seeds, no GPU here): seeds within each width's range
+    with batch 1 everywhere pass; a seed past a width's largest batch (a runner that captured out
+    of its range) or a width without a batch-1 seed fails."""
+    import json
+
+    import ddtree_budget as db
+
+    e2e = _load_by_path("ddtree_e2e", Path(__file__).parent / "gpu" / "ddtree_e2e.py")
+
+    def rounds(seeds):
+        r = db.AutoRounds([8, 16], 15, [1, 4, 32], graph_sizes=[1, 4, 32], limits={8: None, 16: 4}, off=True)
+        r.seed_verify(seeds)
+        return json.loads(json.dumps(r.snapshot()))
+
+    good = {(1, 1): 5e-4, (4, 1): 6e-4, (32, 1): 9e-4, (1, 8): 1e-3, (4, 8): 2e-3, (32, 8): 4e-3,
+            (1, 16): 1.5e-3, (4, 16): 3e-3}
+    assert e2e.startup_seeds_in_range(rounds(good))
+    assert not e2e.startup_seeds_in_range(rounds({**good, (32, 16): 8e-3}))  # width 16 past batch 4
+    assert not e2e.startup_seeds_in_range(rounds({k: v for k, v in good.items() if k != (1, 16)}))
+    assert not e2e.startup_seeds_in_range({})
+
+
 def test_acceptance_run_takes_auto_beside_fixed_budgets_and_checks_it_on_attach():
     """--budgets 15,auto gives a "DDTREE b15" and a "DDTREE auto" server; --attach accepts a port
     whose /get_server_info says budget "auto" for the latter and refuses it for b15. The server

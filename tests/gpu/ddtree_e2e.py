@@ -512,6 +512,25 @@ def startup_table_ok(snap: dict, graphs: bool) -> bool:
     )
 
 
+def startup_seeds_in_range(snap: dict) -> bool:
+    """Budget auto's batch range per width on a GPU: every width's verify graphs were captured
+    only within its range (patch 0005's seam), so a start-up seed (a replayed graph) lies in a
+    bucket no larger than the width's largest batch (snapshot "max_batch"; None: every batch),
+    and every width has a seed at the smallest bucket (batch 1 is in every range)."""
+    table = snap.get("cost_table") or {}
+    buckets, options = table.get("buckets") or [], table.get("options") or []
+    rows = table.get("verify_ms") or []
+    limits = snap.get("max_batch") or {}
+    if not rows or not buckets:
+        return False
+    for i, bucket in enumerate(buckets):
+        for j, option in enumerate(options):
+            limit = limits.get(option)
+            if rows[i][j] is not None and limit is not None and bucket > limit:
+                return False
+    return all(ms is not None for ms in rows[0])
+
+
 def auto_check(cfg: Config, port: int) -> dict:
     """Budget auto after the greedy, concurrent and stop requests: /get_server_info's
     internal_states carry the controller's snapshot; at least two widths ran (autocycle: all,
@@ -523,7 +542,8 @@ def auto_check(cfg: Config, port: int) -> dict:
     widths = snap.get("widths") or []
     cycle = cfg.auto == "autocycle"
     need = len(snap.get("options") or widths) if cycle else 2
-    startup_ok = startup_table_ok(snap, "--disable-cuda-graph" not in cfg.extra)
+    graphs = "--disable-cuda-graph" not in cfg.extra
+    startup_ok = startup_table_ok(snap, graphs) and (not graphs or startup_seeds_in_range(snap))
     return {
         "widths": widths,
         "off": snap.get("off"),
@@ -533,6 +553,7 @@ def auto_check(cfg: Config, port: int) -> dict:
         "dropped_rounds": snap.get("dropped_rounds"),
         "startup": snap.get("startup"),
         "startup_ok": startup_ok,
+        "max_batch": snap.get("max_batch"),
         "cost_table": snap.get("cost_table"),
         "expected_committed": snap.get("expected_committed"),
         "ok": bool(snap)

@@ -2,7 +2,8 @@
 
 - ddtree_utils.accept_tree_greedy (sgl_kernel verify_tree_greedy) == ddtree_utils.verify_greedy_reference
   on GPU-built trees, budgets 1..255;
-- the draft-graph proposer replayed from a CUDA graph == eager, and the proposer, the mask
+- the draft-graph proposer replayed from a CUDA graph == eager (also with budget auto's batch
+  ranges: one graph per batch size, each at its own tree budget), and the proposer, the mask
   scatter, the accept and the commit layout run under torch.cuda sync debug mode "error"
   (any host synchronisation raises);
 - none of the round pieces after the verify makes the host wait for queued GPU work (a wait
@@ -134,6 +135,45 @@ def test_proposer_graph_and_no_host_sync():
     want = ddtree_utils.verify_greedy_reference(tokens.cpu(), nxt.cpu(), sib.cpu(), predict.cpu(), depth)
     for a, b in zip((acc, acc_len, bonus), want):
         assert torch.equal(a.cpu(), b)
+
+
+def test_proposer_graphs_build_each_batch_size_its_own_budget():
+    """Budget auto's batch ranges (0.5.16's default graph list to 256; width 256 to batch 16, 64
+    to 64, 8 every batch): warm() once, then one CUDA graph per captured batch size, as the
+    draft runner captures them (no tree-kernel table may be created inside a capture), each
+    building the tree of its batch's widest width; every replay equals the eager compute at that
+    batch in the first budget + 1 columns."""
+    from sglang.srt.speculative.ddtree_serving import auto_width_limits
+
+    depth, k, hidden = 15, 16, 256
+    widths = [8, 16, 32, 64, 128, 256]
+    limits = auto_width_limits(widths, [1, 2, 4, 8, 16, 24, 32, 64, 128, 256])
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    weight = torch.randn(VOCAB, hidden, device="cuda", generator=gen, dtype=torch.bfloat16)
+    prop = DDTreeProposer(weight=weight, num_org=VOCAB, org_vocab_start=0, block_size=BLOCK, budget=255,
+                          topk=k, max_depth=depth, max_bs=256, widths=widths, limits=limits)
+    prop.warm(hidden, torch.bfloat16)
+    tables = dict(ddtree_utils._PRUNED_GRID)  # what warm() made: every budget's table
+    for bs in (1, 16, 24, 64, 256):
+        n = prop.budget_at(bs) + 1
+        assert n == max(w for w in widths if limits[w] is None or bs <= limits[w])
+        hs = torch.randn(bs * BLOCK, hidden, device="cuda", generator=gen, dtype=torch.bfloat16)
+        eager = prop.compute(hs)
+        static = hs.clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            prop(static)
+        for buf in prop.out:
+            buf.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        got = prop.captured(bs)
+        assert tuple(eager[0].shape) == (bs, n)
+        for a, b in zip(got[:4], eager[:4]):
+            assert torch.equal(a[:, :n], b)
+        assert torch.equal(got[4][:, :n, :n], eager[4])
+        assert torch.equal(got[5], eager[5])
+    assert ddtree_utils._PRUNED_GRID == tables  # no batch size needed a table warm() had not made
 
 
 def test_startup_cost_table_replays_real_graphs():
