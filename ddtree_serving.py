@@ -46,6 +46,7 @@ __all__ = [
     "resolve_ddtree_server_args",
     "spec_steps_and_topk",
     "tree_capacity",
+    "tree_decode_reserve_len",
     "unsupported_sampling_param",
     "validate_ddtree_request",
     "verify_attention_backend",
@@ -209,15 +210,22 @@ def width_graph_bs(batch_sizes, verify_width: int, max_graph_tokens: int = DDTRE
     return [b for b in sizes if b * int(verify_width) <= max_graph_tokens] or sizes[:1]
 
 
+def tree_decode_reserve_len(verify_width: int, block_size: int) -> int:
+    """KV slots a request reserves past its (host, one round late) committed length on the
+    overlap scheduler's v2 round: from the true prefix p <= committed + (D + 1) the round writes
+    the draft block at [p, p + block), the tree verify at [p, p + N) and the accepted path's
+    staging copy at [p + N, p + N + D + 1), so ``(D + 1) + max(block, N + D + 1)`` with N the
+    verify width and D = min(N - 1, block - 1) the deepest acceptable path."""
+    n, block = int(verify_width), int(block_size)
+    depth = min(n - 1, block - 1)
+    return (depth + 1) + max(block, n + depth + 1)
+
+
 def auto_decode_reserve_len(bs: int, limits, block_size: int) -> int:
-    """KV slots a request reserves past its committed length for a round of ``bs`` requests
-    under budget auto: the fixed budget's rule (``(D + 1) + max(block, N + D + 1)``, the 0.5.16
-    hook's ``ddtree_decode_reserve_len``) at the widest width the batch may run
-    (:func:`auto_widest_width`), D = ``block_size - 1``. A large batch runs narrow trees only, so
-    it reserves a narrow tree's slots rather than the widest width's."""
-    n = auto_widest_width(bs, limits)
-    depth = min(n - 1, int(block_size) - 1)
-    return (depth + 1) + max(int(block_size), n + depth + 1)
+    """:func:`tree_decode_reserve_len` for a round of ``bs`` requests under budget auto: at the
+    widest width the batch may run (:func:`auto_widest_width`). A large batch runs narrow trees
+    only, so it reserves a narrow tree's slots rather than the widest width's."""
+    return tree_decode_reserve_len(auto_widest_width(bs, limits), block_size)
 
 
 def tree_capacity(topk_cap: int, max_depth: int, budget: int) -> int:
