@@ -88,6 +88,7 @@ def test_budget_auto_resolves_its_widths_and_is_served(parse, extra, widths):
         assert table.buckets[-1] == cap and all(b & (b - 1) == 0 for b in table.buckets[:-1])
     limits = width_limits(args)
     assert limits == ds.auto_width_limits(widths, graph_bs) and limits[widths[0]] is None
+    assert width_limits(args) is limits  # cached: the scheduler asks for it twice a round
     assert rounds.controller.limits == limits
     # a fixed budget has no feed and no ranges
     fixed = parse("--speculative-ddtree-budget 15")
