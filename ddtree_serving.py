@@ -51,6 +51,7 @@ __all__ = [
     "validate_ddtree_request",
     "verify_attention_backend",
     "verify_cuda_graph_bs",
+    "verify_graph_rows",
     "VERIFY_LOGITS_MEMORY_SHARE",
     "verify_max_running_requests",
     "VERIFY_SAMPLING_WORKSPACE_ROWS",
@@ -208,6 +209,16 @@ def width_graph_bs(batch_sizes, verify_width: int, max_graph_tokens: int = DDTRE
     (:func:`verify_cuda_graph_bs`); for budget auto each width keeps its own range."""
     sizes = sorted(int(b) for b in batch_sizes)
     return [b for b in sizes if b * int(verify_width) <= max_graph_tokens] or sizes[:1]
+
+
+def verify_graph_rows(batch_sizes, verify_widths, max_graph_tokens: int = DDTREE_MAX_CUDA_GRAPH_TOKENS) -> int:
+    """Rows of the logits buffer that SGLang shares between its CUDA graphs, for the DDTREE
+    target's verify runners: one runner a verify width (the budget's, and under budget auto every
+    width), each capturing :func:`width_graph_bs`, so the largest graph holds ``w * max(its
+    sizes)`` tokens. Upstream sizes the buffer ``max(batch_sizes) * N`` for verify width N: at
+    auto's widest width 256 and graphs to batch 256 that is 65,536 rows (37 GiB at Qwen3's
+    vocabulary) where no graph holds more than 4,096."""
+    return max(int(w) * max(width_graph_bs(batch_sizes, w, max_graph_tokens)) for w in verify_widths)
 
 
 def tree_decode_reserve_len(verify_width: int, block_size: int) -> int:

@@ -117,6 +117,59 @@ def test_budget_auto_at_the_default_graph_batch_keeps_every_width_in_its_range(p
         parse("--speculative-ddtree-budget auto --cuda-graph-max-bs-decode 1024")
 
 
+@pytest.mark.parametrize(
+    ("extra", "rows"),
+    [
+        # auto at the default graph list: width 256 to batch 16, 16 to 256: 4096 rows (upstream's
+        # max(graph bs) x 256 would be 65,536, 37 GiB of float32 logits at Qwen3's vocabulary)
+        ("--speculative-ddtree-budget auto --cuda-graph-max-bs-decode 256", 4096),
+        ("--speculative-ddtree-budget auto --cuda-graph-max-bs-decode 8", 8 * 256),
+        # a fixed budget's graph list is trimmed at start-up: the same rows as upstream's rule
+        ("--speculative-ddtree-budget 63 --cuda-graph-max-bs-decode 256", None),
+        ("--speculative-ddtree-budget 15 --cuda-graph-max-bs-decode 16", None),
+    ],
+)
+def test_shared_logits_buffer_holds_the_largest_verify_graph(parse, extra, rows, monkeypatch):
+    """SGLang shares one (rows x vocab) float32 logits buffer between its CUDA graphs and sizes it
+    ``max(graph bs) x verify width`` (ModelRunner.max_decode_logits_rows). DDTREE's target runners
+    capture per width (ddtree_serving.width_graph_bs), so the seam in patch 0005 sizes it for the
+    largest graph any width captures: the real method, on the pin's parsed server args, against
+    the graphs each width captures. The draft runner keeps upstream's rule."""
+    import types
+
+    from sglang.srt.model_executor.model_runner import ModelRunner
+    from sglang.srt.model_executor.runner.base_cuda_graph_runner import get_batch_sizes_to_capture
+    from sglang.srt.speculative import ddtree_serving as ds
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    from sglang.srt.model_executor.runner import base_cuda_graph_runner
+
+    # TP = 1 without a process group: the graph-size filter reads only these two sizes from it
+    monkeypatch.setattr(base_cuda_graph_runner, "get_parallel",
+                        lambda: types.SimpleNamespace(attn_tp_size=1, attn_cp_size=1))
+    args = parse(extra)
+    n = int(args.speculative_num_draft_tokens)
+
+    def runner(draft: bool):
+        mr = types.SimpleNamespace(server_args=args, is_draft_worker=draft,
+                                   spec_algorithm=SpeculativeAlgorithm.from_string("DDTREE"),
+                                   req_to_token_pool=types.SimpleNamespace(size=int(args.max_running_requests)))
+        mr.decode_num_tokens_per_req = lambda: n
+        return mr
+
+    target = runner(False)
+    got = ModelRunner.max_decode_logits_rows(target)
+    capture_bs, _ = get_batch_sizes_to_capture(target, n)
+    widths = [n, *(args.speculative_ddtree_auto_widths or ())]
+    graphs = [w * b for w in widths for b in ds.width_graph_bs(capture_bs, w)]
+    assert got == max(graphs) <= ds.DDTREE_MAX_CUDA_GRAPH_TOKENS
+    if rows is None:  # fixed budget: upstream's rule on the trimmed list
+        assert got == max(capture_bs) * n
+    else:
+        assert got == rows
+    assert ModelRunner.max_decode_logits_rows(runner(True)) == max(capture_bs) * n
+
+
 def test_budget_auto_reserves_kv_for_the_widest_width_of_the_batch(parse):
     """The KV a request keeps past its committed length (DFlashDraftInputV2.decode_reserve_len,
     through the hook's ddtree_decode_reserve_len) and the scheduler's memory check
