@@ -257,6 +257,92 @@ def test_verify_states_are_built_at_each_width_and_switched_around_the_verify(pa
     assert runner.attn_backend is own  # restored on errors too
 
 
+def _triton_backend(max_context_len, device="cpu"):
+    """The pin's TritonAttnBackend with only what init_cuda_graph_state reads set (its __init__
+    needs a model runner with a KV pool on a GPU); its real init_cuda_graph_state runs."""
+    from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+
+    b = TritonAttnBackend.__new__(TritonAttnBackend)
+    b.num_head, b.max_kv_splits, b.v_head_dim, b.swa_v_head_dim = 4, 2, 8, None
+    b.max_context_len, b.device, b.skip_prefill, b.is_draft_runner = max_context_len, device, False, False
+    b.sliding_window_size, b.use_sliding_window_kv_pool, b._translate_kv_loc = None, False, None
+    return b
+
+
+def test_narrower_widths_capture_over_the_widest_widths_graph_buffers():
+    """share_graph_buffers: a narrower width's triton backend, at its (real) init_cuda_graph_state,
+    takes the widest width's KV index list, split counts, tree mask and decode scratch instead of
+    allocating its own (1.3 GB + 0.2 GB + 0.5 GB at 4096 graph tokens, a 40,960-token context and
+    Qwen3-8B's heads), and keeps its own where its graphs would need more than those hold. Another
+    backend type (flashinfer) is left alone."""
+    from sglang.srt.speculative.ddtree_auto_v2 import share_graph_buffers
+
+    ctx = 64
+    main = _triton_backend(ctx)
+    main.init_cuda_graph_state(16, 16 * 256)  # the widest width: 16 x 256 tokens
+    names = ("cuda_graph_kv_indices", "cuda_graph_num_kv_splits", "cuda_graph_custom_mask",
+             "cuda_graph_attn_logits", "cuda_graph_attn_lse")
+    for max_bs, tokens in ((256, 256 * 16), (32, 32 * 64), (256, 256)):
+        narrow = _triton_backend(ctx)
+        assert share_graph_buffers(narrow, main)
+        narrow.init_cuda_graph_state(max_bs, tokens)
+        for n in names:
+            assert getattr(narrow, n) is getattr(main, n), n
+        assert narrow.cuda_graph_kv_indices.numel() >= tokens * ctx
+    # graphs needing more than the main buffers hold keep their own (any width: no sharing)
+    big = _triton_backend(ctx)
+    assert share_graph_buffers(big, main)
+    big.init_cuda_graph_state(512, 512 * 16)
+    for n in names:
+        assert getattr(big, n) is not getattr(main, n), n
+    assert big.cuda_graph_kv_indices.numel() == 512 * 16 * ctx
+    # a longer context than the main's: its own as well
+    longer = _triton_backend(2 * ctx)
+    assert share_graph_buffers(longer, main)
+    longer.init_cuda_graph_state(16, 16 * 256)
+    assert longer.cuda_graph_kv_indices is not main.cuda_graph_kv_indices
+    # not a triton backend, or a main without graph buffers: nothing changes
+    other = SimpleNamespace(init_cuda_graph_state=lambda *a, **k: None)
+    assert not share_graph_buffers(other, main)
+    assert not share_graph_buffers(_triton_backend(ctx), _triton_backend(ctx))
+
+
+def test_verify_graphs_share_one_hidden_state_output():
+    """SharedVerifyHidden (the DDTREE worker's capture tail hook on the target's runners): every
+    verify graph's hidden states are copied into one buffer of the largest graph's rows and the
+    graph's output is a view of it, so no graph keeps an output of its own; the values are the
+    forward's. Outputs of other modes, and one that does not fit, are left as they are."""
+    from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang.srt.speculative.ddtree_worker_v2 import SharedVerifyHidden
+
+    hook, rows, dim = SharedVerifyHidden(), 64, 20
+    runner = SimpleNamespace(model_runner=SimpleNamespace(max_decode_logits_rows=lambda: rows))
+    verify = SimpleNamespace(forward_mode=ForwardMode.TARGET_VERIFY)
+    g = torch.Generator().manual_seed(0)
+    outs, refs = [], []
+    for tokens in (64, 16, 1):  # captured largest first, as SGLang does
+        hidden = torch.randn(tokens, dim, generator=g, dtype=torch.bfloat16)
+        out = LogitsProcessorOutput(next_token_logits=None, hidden_states=hidden)
+        hook(runner, out, verify, tokens)
+        assert torch.equal(out.hidden_states, hidden) and out.hidden_states is not hidden
+        assert out.hidden_states.data_ptr() == hook.buffer.data_ptr()
+        outs.append(out)
+        refs.append(hidden)
+    assert hook.buffer.shape == (rows, dim)
+    # the last graph's values are in the shared rows (a replay refills them each round)
+    assert torch.equal(outs[0].hidden_states[:1], refs[-1])
+    for mode, hidden in ((ForwardMode.DECODE, torch.ones(4, dim, dtype=torch.bfloat16)),
+                         (ForwardMode.TARGET_VERIFY, torch.ones(rows + 1, dim, dtype=torch.bfloat16)),
+                         (ForwardMode.TARGET_VERIFY, torch.ones(4, dim + 1, dtype=torch.bfloat16))):
+        out = LogitsProcessorOutput(next_token_logits=None, hidden_states=hidden)
+        hook(runner, out, SimpleNamespace(forward_mode=mode), hidden.shape[0])
+        assert out.hidden_states is hidden
+    none = LogitsProcessorOutput(next_token_logits=None, hidden_states=None)
+    hook(runner, none, verify, 4)
+    assert none.hidden_states is None
+
+
 # ------------------------------------------------------------------------------------------
 # The round at changing widths: exact, and the feed carries the tree's estimate
 
