@@ -430,7 +430,7 @@ def run_config(
         rec["stop_outputs"] = concurrent(port, stop, 300)
         if cfg.auto:
             _phase(cfg, "budget auto: /get_server_info")
-            rec["auto"] = auto_check(cfg, port)
+            rec["auto"] = auto_check(cfg, port, os.path.join(out_dir, f"{cfg.name}.log"))
         if cfg.kind == "dflash" or cfg.extras_checks or cfg.auto:
             _phase(cfg, "mixed batch (one request per prompt)")
             rec["mixed"] = mixed_batch(port, prompts, max_new, mixed_timeout)
@@ -531,7 +531,19 @@ def startup_seeds_in_range(snap: dict) -> bool:
     return all(ms is not None for ms in rows[0])
 
 
-def auto_check(cfg: Config, port: int) -> dict:
+WIDTH_BUILT = re.compile(r"DDTREE auto: verify width (\d+) built \(([^)]*)\)")
+SHARED_STREAM = "CUDA graphs, on the widest width's capture stream"
+
+
+def capture_streams_shared(log_text: str) -> bool:
+    """Budget auto's start-up log (ddtree_auto_v2.build_verify_states): every width besides the
+    widest was captured with CUDA graphs on the widest width's capture stream (patch 0005's seam),
+    so its graphs reuse the pool blocks that stream's graphs freed. False without such lines."""
+    built = WIDTH_BUILT.findall(log_text)
+    return bool(built) and all(how == SHARED_STREAM for _, how in built)
+
+
+def auto_check(cfg: Config, port: int, log_path: str | None = None) -> dict:
     """Budget auto after the greedy, concurrent and stop requests: /get_server_info's
     internal_states carry the controller's snapshot; at least two widths ran (autocycle: all,
     and off rounds); the start-up cost table is there (graphs: measured and positive; eager:
@@ -544,6 +556,11 @@ def auto_check(cfg: Config, port: int) -> dict:
     need = len(snap.get("options") or widths) if cycle else 2
     graphs = "--disable-cuda-graph" not in cfg.extra
     startup_ok = startup_table_ok(snap, graphs) and (not graphs or startup_seeds_in_range(snap))
+    streams_shared = None
+    if graphs and log_path:
+        with open(log_path, errors="replace") as f:
+            streams_shared = capture_streams_shared(f.read())
+        startup_ok = startup_ok and streams_shared
     return {
         "widths": widths,
         "off": snap.get("off"),
@@ -553,6 +570,7 @@ def auto_check(cfg: Config, port: int) -> dict:
         "dropped_rounds": snap.get("dropped_rounds"),
         "startup": snap.get("startup"),
         "startup_ok": startup_ok,
+        "capture_streams_shared": streams_shared,
         "max_batch": snap.get("max_batch"),
         "cost_table": snap.get("cost_table"),
         "expected_committed": snap.get("expected_committed"),
@@ -637,6 +655,8 @@ def _sync_note(r: dict) -> str:
         a = r["auto"]
         note += f", auto {'ok' if a.get('ok') else 'FAIL'} ran {a.get('chosen')}"
         note += f", start-up table {'ok' if a.get('startup_ok') else 'FAIL'}"
+        if a.get("capture_streams_shared") is not None:
+            note += f", widths on one capture stream: {a['capture_streams_shared']}"
     return note
 
 

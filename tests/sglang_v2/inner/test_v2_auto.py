@@ -15,6 +15,7 @@ import importlib.util
 import itertools
 import json
 import shlex
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -255,6 +256,68 @@ def test_verify_states_are_built_at_each_width_and_switched_around_the_verify(pa
     with pytest.raises(RuntimeError), verify_width(runner, states[16]):
         raise RuntimeError("a failed verify")
     assert runner.attn_backend is own  # restored on errors too
+
+
+def test_width_runners_capture_on_the_widest_widths_stream_and_say_so(parse, monkeypatch):
+    """build_verify_states with CUDA graphs: each width's DecodeCudaGraphRunner is built after
+    share_graph_buffers wrapped its backend, and the start-up log says whether it captured on the
+    widest width's stream (patch 0005's seam). ddtree_e2e's check reads these real log lines: it
+    passes when every width shares the stream and fails when one does not. The runner class is a
+    stand-in recording its arguments (capturing needs a GPU); the stream is a sentinel object."""
+    import logging
+
+    from sglang.srt.model_executor.runner import decode_cuda_graph_runner as dcgr
+    from sglang.srt.speculative.ddtree_auto_v2 import build_verify_states
+
+    e2e_path = Path(__file__).resolve().parents[2] / "gpu" / "ddtree_e2e.py"
+    e2e_spec = importlib.util.spec_from_file_location("ddtree_e2e_t", e2e_path)
+    e2e = importlib.util.module_from_spec(e2e_spec)
+    monkeypatch.setitem(sys.modules, "ddtree_e2e_t", e2e)  # its dataclasses resolve their module
+    e2e_spec.loader.exec_module(e2e)
+
+    args = parse("--speculative-ddtree-budget auto --cuda-graph-max-bs 16")
+    main_stream, other = object(), object()
+    built, own_stream = [], set()  # widths whose runner captures on a stream of its own
+
+    class Runner:
+        def __init__(self, model_runner, attn_backend=None, speculative_num_draft_tokens=None):
+            built.append(speculative_num_draft_tokens)
+            main = getattr(model_runner, "decode_cuda_graph_runner", None)
+            # the seam's rule: the widest width's runner's stream, when there is one
+            shared = getattr(main, "stream", None)
+            self.stream = other if speculative_num_draft_tokens in own_stream else shared
+
+    class ModelRunner(SimpleNamespace):
+        def _get_attention_backend(self, init_new_workspace=False):
+            return SimpleNamespace(init_cuda_graph_state=lambda *a, **k: None)
+
+    monkeypatch.setattr(dcgr, "DecodeCudaGraphRunner", Runner)
+    log = logging.getLogger("sglang.srt.speculative.ddtree_auto_v2")
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    log.addHandler(handler)
+    level = log.level
+    log.setLevel(logging.INFO)
+    try:
+        for odd in (False, True):
+            built.clear()
+            own_stream.clear()
+            if odd:
+                own_stream.add(32)
+            lines.clear()
+            runner = ModelRunner(server_args=args, attn_backend=SimpleNamespace(), device="cpu",
+                                 decode_cuda_graph_runner=SimpleNamespace(stream=main_stream))
+            states = build_verify_states(runner, args.speculative_ddtree_auto_widths, capture=True, log=True)
+            widest = args.speculative_num_draft_tokens
+            assert built == [w for w in sorted(states) if w != widest]
+            assert all(states[w].graph_runner.stream is (other if odd and w == 32 else main_stream) for w in built)
+            assert len(lines) == len(built)
+            assert e2e.capture_streams_shared("\n".join(lines)) is (not odd)
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+    assert not e2e.capture_streams_shared("no width lines")
 
 
 def _triton_backend(max_context_len, device="cpu"):
