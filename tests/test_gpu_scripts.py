@@ -486,3 +486,89 @@ def test_lifted_auto_run_refuses_levels_its_servers_cannot_batch_before_any_setu
                        capture_output=True, text=True, env={**os.environ, "CONC": conc, "MAX_BS": max_bs})
     assert r.returncode == 2 and "above MAX_BS" in r.stderr, r.stderr
     assert not out.exists()
+
+
+_FAKE_LAUNCH = '''
+"""TEST DOUBLE of `python -m sglang.launch_server` (SGLang needs a GPU): prints start-up lines in
+SGLang 0.5.16's format, then serves tests/bench_fake_sglang.py's API on --port."""
+import argparse, sys, time
+sys.path.insert(0, {tests!r})
+from bench_fake_sglang import FakeSGLang
+ap = argparse.ArgumentParser()
+ap.add_argument("--port", type=int)
+ap.add_argument("--speculative-algorithm", default=None)
+ap.add_argument("--speculative-ddtree-budget", default=None)
+a, _ = ap.parse_known_args()
+if a.speculative_ddtree_budget == "oom":
+    print("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 46.00 MiB.", flush=True)
+    sys.exit(1)
+kv = 400000 if a.speculative_algorithm is None else 300000
+print(f"[t] KV Cache is allocated. dtype: torch.bfloat16, #tokens: {{kv}}, K size: 28.00 GB, V size: 28.00 GB")
+print("[t] KV Cache is allocated. dtype: torch.bfloat16, #tokens: 9999, K size: 0.10 GB, V size: 0.10 GB")
+print("[t] Capture target verify CUDA graph end. elapsed=6.16 s, mem usage=5.02 GB, avail mem=9.61 GB.")
+if a.speculative_ddtree_budget == "auto":
+    print("[t] DDTREE auto: verify width 8 built (CUDA graphs, on the widest width's capture stream) in 15.18s, device memory 1.119 GiB")
+print("[t] Capture draft verify CUDA graph end. elapsed=4.55 s, mem usage=3.36 GB, avail mem=6.25 GB.", flush=True)
+FakeSGLang(a.speculative_algorithm, 3, 0.2).serve(a.port)
+while True:
+    time.sleep(1)
+'''
+
+
+def test_default_start_starts_each_config_alone_and_reads_its_memory(tmp_path, monkeypatch):
+    """bench/default_start.py end to end on the CPU: each configuration is started alone with no
+    memory or graph flag (only the shared base flags), loaded at every level, stopped; its log's KV
+    tokens (the target's, the first allocation), capture phases and auto widths are read; a
+    configuration that runs out of memory at start is reported as not started and fails the run.
+    The servers are TEST DOUBLES (a fake `sglang.launch_server` over tests/bench_fake_sglang.py):
+    SGLang needs a GPU."""
+    import json
+
+    ds = _load_by_path("default_start_t", Path(__file__).resolve().parents[1] / "bench" / "default_start.py")
+    fake = tmp_path / "fake" / "sglang"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    (fake / "launch_server.py").write_text(_FAKE_LAUNCH.format(tests=str(Path(__file__).parent)))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "fake"))
+    pair = tmp_path / "pair"
+    pair.mkdir()
+    (pair / "prompts.jsonl").write_text("".join(json.dumps({"input_ids": [1, 2, 3, i]}) + "\n" for i in range(4)))
+    out = tmp_path / "out"
+    import socket
+
+    with socket.socket() as sock:  # a free port for the fake servers (one at a time)
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    rc = ds.main(["--out", str(out), "--pair", str(pair), "--configs", "auto,plain,b15", "--concurrency", "2,4",
+                  "--max-new-tokens", "8", "--startup-timeout", "60", "--port", str(port), "--settle-s", "0"])
+    doc = json.loads((out / "results.json").read_text())
+    assert rc == 0 and doc["ok"], doc
+    rows = {r["label"]: r for r in doc["configs"]}
+    assert list(rows) == ["DDTREE auto", "plain", "DDTREE b15"]
+    for label, r in rows.items():
+        assert "--mem-fraction-static" not in r["cmd"] and "--max-total-tokens" not in r["cmd"]
+        assert "cuda-graph" not in r["cmd"] and "--max-running-requests" not in r["cmd"]
+        assert [lv["concurrency"] for lv in r["levels"]] == [2, 4]
+        assert all(lv["ok_requests"] == 2 * lv["concurrency"] and not lv["errors"] for lv in r["levels"])
+        assert r["memory"]["kv_tokens"] == (400000 if label == "plain" else 300000)
+        assert [p["phase"] for p in r["memory"]["phases"]] == ["target verify", "draft verify"]
+        assert r["memory"]["avail_gb_last"] == 6.25 and not r["memory"]["out_of_memory"]
+    assert rows["DDTREE auto"]["memory"]["widths"] == [
+        {"width": 8, "how": "CUDA graphs, on the widest width's capture stream", "s": 15.18, "gib": 1.119}]
+    assert "--speculative-ddtree-budget auto" in rows["DDTREE auto"]["cmd"]
+    table = (out / "table.md").read_text()
+    assert "| DDTREE auto | yes |" in table and "| 300000 |" in table
+    with pytest.raises(ValueError, match="none of plain"):
+        ds.config_flags("b15x")
+    # a configuration that runs out of memory at start: reported, the run fails, the next still runs
+    monkeypatch.setattr(ds, "config_flags", lambda w: (
+        ("DDTREE oom", "--speculative-algorithm DDTREE --speculative-ddtree-budget oom") if w == "oom" else
+        ("plain", "")))
+    rc = ds.main(["--out", str(out), "--pair", str(pair), "--configs", "oom,plain", "--concurrency", "2",
+                  "--max-new-tokens", "8", "--startup-timeout", "60", "--port", str(port), "--settle-s", "0"])
+    doc = json.loads((out / "results.json").read_text())
+    assert rc == 1 and not doc["ok"]
+    oom, plain = doc["configs"]
+    assert oom["error"].startswith("server exited") and oom["memory"]["out_of_memory"] and not oom["levels"]
+    assert plain["error"] is None and plain["levels"][0]["ok_requests"] == 4
+    assert "| DDTREE oom | NO: server exited" in (out / "table.md").read_text()
