@@ -592,6 +592,10 @@ class AutoRounds:
 
     ``cycle=True`` (``SGLANG_DDTREE_AUTO_CYCLE=1``, the exactness matrix): the widths in turn,
     one per round, so the width changes every round; the feed still runs (snapshot).
+    ``cycle_widths`` (``SGLANG_DDTREE_AUTO_CYCLE=off,16``; implies the cycle) cycles through
+    those verify widths only; one width forces it (``=off``: every round plain decode, to
+    measure or profile an option alone). A batch beyond every listed width's range runs the
+    narrowest tree width (it serves every batch).
 
     ``off=True`` (the v2 worker's default; ``SGLANG_DDTREE_AUTO_OFF=0`` for False): :data:`OFF` is an option too, run as a round
     of verify width :data:`OFF_WIDTH` (only the root; no draft forward, so no estimate:
@@ -617,6 +621,7 @@ class AutoRounds:
         log_interval: int = 200,
         off: bool = False,
         limits: Mapping[int, int | None] | None = None,
+        cycle_widths: Sequence[int] | None = None,
     ):
         self.widths = sorted(int(w) for w in widths)
         if not self.widths or self.widths[0] < 1 or self.widths[-1] > int(budget) + 1:
@@ -634,7 +639,13 @@ class AutoRounds:
         self.controller = BudgetController(options, table, explore_every=explore_every, limits=limits)
         # The verify widths the worker needs a state for; the cycle's order.
         self.verify_widths = [*([OFF_WIDTH] if self.off else []), *self.widths]
-        self.cycle = bool(cycle)
+        self.cycle_widths = None
+        if cycle_widths:
+            unknown = sorted({int(w) for w in cycle_widths} - set(self.verify_widths))
+            if unknown:
+                raise ValueError(f"cycle widths {unknown} are not served (verify widths {self.verify_widths})")
+            self.cycle_widths = [w for w in self.verify_widths if w in {int(x) for x in cycle_widths}]
+        self.cycle = bool(cycle) or self.cycle_widths is not None
         pin = torch.device(device).type == "cuda" if device is not None else False
         self.ring = torch.zeros((int(ring), len(self.widths)), dtype=torch.float32, pin_memory=pin)
         self.slot = 0
@@ -668,7 +679,8 @@ class AutoRounds:
         if not self.cycle:
             o = self.controller.choose(int(bs))
             return OFF_WIDTH if o == OFF else int(o)
-        ws = [w for w in self.verify_widths if self.controller.offers(self.option(w), bs)]
+        offered = [w for w in self.verify_widths if self.controller.offers(self.option(w), bs)]
+        ws = [w for w in self.cycle_widths or offered if w in offered] or [self.widths[0]]
         w = ws[(self.rounds - 1) % len(ws)]
         o = self.option(w)
         self.controller.history[o] += 1
@@ -735,6 +747,7 @@ class AutoRounds:
             widths=list(self.widths),
             off=self.off,
             mode="cycle" if self.cycle else "controller",
+            cycle_widths=None if self.cycle_widths is None else list(self.cycle_widths),
             rounds=self.rounds,
             observed_rounds=self.observed,
             dropped_rounds=self.dropped,

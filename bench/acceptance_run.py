@@ -69,8 +69,11 @@ def log(msg: str) -> None:
 # is the controller with `off` rounds offered (plain decode under load; docs/DDTREE.md); since the
 # sixteenth session that is also what "auto" serves (off is on unless SGLANG_DDTREE_AUTO_OFF=0),
 # and "auto+trees" is the controller without off. The older runs' "auto" was "auto+trees".
+# "auto@off" runs every round as off (SGLANG_DDTREE_AUTO_ONLY=off): what an off round costs against
+# plain decode, alone.
 AUTO_MODES: dict[str, dict[str, str]] = {"auto": {}, "auto+off": {"SGLANG_DDTREE_AUTO_OFF": "1"},
-                                         "auto+trees": {"SGLANG_DDTREE_AUTO_OFF": "0"}}
+                                         "auto+trees": {"SGLANG_DDTREE_AUTO_OFF": "0"},
+                                         "auto@off": {"SGLANG_DDTREE_AUTO_ONLY": "off"}}
 
 
 def ddtree_label(budget: int | str) -> str:

@@ -8,7 +8,7 @@
 # e.g. bash bench/lifted_auto_run.sh $OUT .gpu/w16x/site.tar.xz .gpu/pairx/pair.tar.xz .gpu/ov016
 # An 8B-shaped server takes 20 (plain) to 35 GB (auto: a verify state per width): an H100 holds
 # plain + auto only, so DFLASH and b15 run there only on a card of more than 100 GB.
-# Environment: BUDGETS (e.g. 63 or 255,auto+off) and WITHOUT (e.g. DFLASH, or "" for none) replace
+# Environment: BUDGETS (e.g. 63 or 255,auto+off; auto@off: every round off, its cost against plain) and WITHOUT (e.g. DFLASH, or "" for none) replace
 # that choice; CONC (default 1,4,16,32,64) the concurrencies; WAVES (default 2)
 # the requests per level in multiples of the concurrency (2 left two runs of a c >= 16 level up to 11 % apart);
 # ORDER=conc-first measures every server and temperature at c = 1 first, so a deadline drops high c

@@ -813,6 +813,27 @@ def test_auto_rounds_cycle_overflow_and_event_timing():
         db.AutoRounds([2, 16], 7, [4])
 
 
+def test_auto_rounds_cycle_through_a_subset_or_force_one_option():
+    """cycle_widths (SGLANG_DDTREE_AUTO_CYCLE=off,4): the cycle runs only those verify widths,
+    in the verify widths' order, within each width's batch range; one width forces it (off: every
+    round plain decode). A batch beyond every listed width's range runs the narrowest tree width.
+    The snapshot says so; widths that are not served are refused."""
+    r = db.AutoRounds([2, 4, 8], 7, [1, 4], off=True, cycle_widths=[8, db.OFF_WIDTH], limits={2: None, 4: 4, 8: 1})
+    assert r.cycle and r.cycle_widths == [db.OFF_WIDTH, 8]
+    assert [r.choose(1) for _ in range(4)] == [db.OFF_WIDTH, 8, db.OFF_WIDTH, 8]
+    assert [r.choose(4) for _ in range(3)] == [db.OFF_WIDTH] * 3  # 8 serves batch 1 only
+    snap = r.snapshot()
+    assert snap["mode"] == "cycle" and snap["cycle_widths"] == [db.OFF_WIDTH, 8]
+    forced = db.AutoRounds([2, 4], 3, [4], off=True, cycle_widths=[db.OFF_WIDTH])
+    assert {forced.choose(4) for _ in range(10)} == {db.OFF_WIDTH}
+    assert forced.controller.history[db.OFF] == 10
+    wide = db.AutoRounds([2, 4], 3, [1, 4], cycle_widths=[4], limits={2: None, 4: 1})
+    assert [wide.choose(1), wide.choose(4)] == [4, 2]  # past width 4's range: the narrowest
+    assert db.AutoRounds([2, 4], 3, [4]).snapshot()["cycle_widths"] is None
+    with pytest.raises(ValueError, match=r"cycle widths \[1\] are not served"):
+        db.AutoRounds([2, 4], 3, [4], cycle_widths=[db.OFF_WIDTH])  # off not offered
+
+
 def test_auto_rounds_offer_off_as_a_width_one_round():
     """off=True: OFF is an option of the controller, run as a round of verify width OFF_WIDTH
     (the worker's width-1 verify, no draft forward, so no estimate in the ring). Warm-up runs

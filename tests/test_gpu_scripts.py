@@ -235,6 +235,9 @@ def test_acceptance_run_takes_auto_beside_fixed_budgets_and_checks_it_on_attach(
     # the server environment: off rounds only for auto+off, phase times on every DDTREE server
     assert ar.server_env("DDTREE auto+off") == {"SGLANG_DDTREE_AUTO_OFF": "1"}
     assert ar.server_env("DDTREE auto+trees") == {"SGLANG_DDTREE_AUTO_OFF": "0"}  # off is on by default
+    assert ar.server_env("DDTREE auto@off") == {"SGLANG_DDTREE_AUTO_ONLY": "off"}  # every round off
+    assert ar.label_parts("DDTREE auto@off") == ("DDTREE", "auto@off")
+    assert ar.configs(["auto@off"])[-1][1].endswith("--speculative-ddtree-budget auto")
     assert ar.server_env("DDTREE auto") == {} and ar.server_env("plain", phase_times=True) == {}
     assert ar.server_env("DDTREE b15", phase_times=True) == {"SGLANG_DDTREE_PHASE_TIMES": "1"}
     # the rounds a level added per option, from two controller snapshots

@@ -100,6 +100,33 @@ def test_budget_auto_resolves_its_widths_and_is_served(parse, extra, widths):
         parse("--speculative-ddtree-budget AUTO --speculative-num-draft-tokens 16")
 
 
+def test_auto_only_runs_the_listed_options_in_turn(parse, monkeypatch):
+    """SGLANG_DDTREE_AUTO_ONLY (the worker's round feed, ddtree_auto_v2.auto_rounds): "off" forces
+    plain-decode rounds (every batch), "off,16" cycles the two; unset, the controller chooses;
+    anything else, or an option the server does not serve, is refused at start-up."""
+    from sglang.srt.speculative import ddtree_budget as pdb
+    from sglang.srt.speculative.ddtree_auto_v2 import ONLY_ENV, auto_rounds
+
+    args = parse("--speculative-ddtree-budget auto --cuda-graph-max-bs 16")
+    monkeypatch.setenv(ONLY_ENV, "off")
+    rounds = auto_rounds(args, "cpu")
+    assert rounds.cycle and {rounds.choose(b) for b in (1, 4, 16) for _ in range(3)} == {pdb.OFF_WIDTH}
+    assert rounds.snapshot()["cycle_widths"] == [pdb.OFF_WIDTH]
+    monkeypatch.setenv(ONLY_ENV, " 16, off ")
+    rounds = auto_rounds(args, "cpu")
+    assert [rounds.choose(4) for _ in range(4)] == [pdb.OFF_WIDTH, 16, pdb.OFF_WIDTH, 16]
+    monkeypatch.delenv(ONLY_ENV)
+    assert not auto_rounds(args, "cpu").cycle
+    for bad, match in (("plain", "list off and tree widths"), ("off,12", "not served")):
+        monkeypatch.setenv(ONLY_ENV, bad)
+        with pytest.raises(ValueError, match=match):
+            auto_rounds(args, "cpu")
+    monkeypatch.setenv(ONLY_ENV, "off")
+    monkeypatch.setenv("SGLANG_DDTREE_AUTO_OFF", "0")
+    with pytest.raises(ValueError, match="not served"):
+        auto_rounds(args, "cpu")
+
+
 def test_budget_auto_at_the_default_graph_batch_keeps_every_width_in_its_range(parse):
     """At 0.5.16's default decode graphs on an 80-160 GB card (batch 256 at TP < 4) auto keeps
     every width: width 256 up to batch 16, 64 up to 64, 8 every batch (before the ranges, the
