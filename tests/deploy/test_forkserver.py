@@ -56,8 +56,19 @@ def server(tmp_path_factory):
     p.wait(10)
 
 
+# A client starts here as a supervisor starts it, with no signal ignored: a test run started in
+# the background (nohup, `&`) ignores INT, QUIT and HUP, and a child inherits that (the client
+# then passes them on as ignored, so its service would not end on them).
+_SIGNALS_DEFAULT = (sys.executable, "-S", "-c", "import os, signal, sys\n"
+                    "for s in (signal.SIGINT, signal.SIGQUIT, signal.SIGHUP): signal.signal(s, signal.SIG_DFL)\n"
+                    "os.execv(sys.argv[1], sys.argv[1:])")
+
+
 def start(sock: Path, script: Path, *args: str, prefix: tuple[str, ...] = (), **kw) -> subprocess.Popen:
-    return subprocess.Popen([*prefix, sys.executable, "-S", "-E", str(tb.FORKSERVER), "client", str(sock), str(script), *args],
+    # a test that sets the client's signals itself (preexec_fn) keeps them
+    launcher = () if "preexec_fn" in kw else _SIGNALS_DEFAULT
+    return subprocess.Popen([*prefix, *launcher, sys.executable, "-S", "-E", str(tb.FORKSERVER), "client",
+                             str(sock), str(script), *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
 
 
