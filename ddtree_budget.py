@@ -592,7 +592,7 @@ class AutoRounds:
 
     ``cycle=True`` (``SGLANG_DDTREE_AUTO_CYCLE=1``, the exactness matrix): the widths in turn,
     one per round, so the width changes every round; the feed still runs (snapshot).
-    ``cycle_widths`` (``SGLANG_DDTREE_AUTO_CYCLE=off,16``; implies the cycle) cycles through
+    ``cycle_widths`` (``SGLANG_DDTREE_AUTO_ONLY=off,16``; implies the cycle) cycles through
     those verify widths only; one width forces it (``=off``: every round plain decode, to
     measure or profile an option alone). A batch beyond every listed width's range runs the
     narrowest tree width (it serves every batch).

@@ -814,7 +814,7 @@ def test_auto_rounds_cycle_overflow_and_event_timing():
 
 
 def test_auto_rounds_cycle_through_a_subset_or_force_one_option():
-    """cycle_widths (SGLANG_DDTREE_AUTO_CYCLE=off,4): the cycle runs only those verify widths,
+    """cycle_widths (SGLANG_DDTREE_AUTO_ONLY=off,4): the cycle runs only those verify widths,
     in the verify widths' order, within each width's batch range; one width forces it (off: every
     round plain decode). A batch beyond every listed width's range runs the narrowest tree width.
     The snapshot says so; widths that are not served are refused."""
