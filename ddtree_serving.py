@@ -262,8 +262,12 @@ def resolve_ddtree_server_args(
     block size comes from ``--speculative-dflash-block-size`` or the draft config, which the
     pin's DFLASH handling (``handle_dflash(server_args)``, run here with the derived fields
     cleared) resolves into ``speculative_num_draft_tokens``. Then: block >= 2, budget in
-    1..DDTREE_MAX_BUDGET (default block - 1), top-k cap >= 1 (default min(budget, 16), clamped to
+    1..DDTREE_MAX_BUDGET (default: below), top-k cap >= 1 (default min(budget, 16), clamped to
     the budget) able to hold the budget, no deterministic inference and no lossy acceptance.
+
+    The default budget: ``auto`` on a pin that serves it (one that passes ``auto_max_batch``), when
+    neither ``--speculative-ddtree-budget`` nor ``--speculative-num-draft-tokens`` is given;
+    otherwise the block size - 1.
 
     ``--speculative-ddtree-budget auto`` (a pin that runs it passes ``auto_max_batch``: the
     largest batch one verify may hold after the DFLASH handling, e.g. the largest CUDA-graph
@@ -280,6 +284,8 @@ def resolve_ddtree_server_args(
     """
     verify_width = server_args.speculative_num_draft_tokens
     budget = parse_ddtree_budget(server_args.speculative_ddtree_budget)
+    if budget is None and verify_width is None and auto_max_batch is not None:
+        budget = DDTREE_AUTO  # the default where the pin serves auto (docs/DDTREE.md, "Defaults")
     auto = budget == DDTREE_AUTO
     if auto:
         if auto_max_batch is None:

@@ -45,16 +45,19 @@ _DRAFT = "--speculative-draft-model-path {draft}"
 
 
 def config_flags(word: str) -> tuple[str, str]:
-    """``plain``, ``DFLASH``, ``b<budget>`` or ``auto`` -> (label, speculative flags)."""
+    """``plain``, ``DFLASH``, ``DDTREE`` (no budget flag: the pin's default), ``b<budget>`` or
+    ``auto`` -> (label, speculative flags)."""
     if word == "plain":
         return "plain", ""
+    if word == "DDTREE":
+        return "DDTREE default", f"--speculative-algorithm DDTREE {_DRAFT}"
     if word == "DFLASH":
         return "DFLASH", f"--speculative-algorithm DFLASH {_DRAFT}"
     if word == "auto" or (word[:1] == "b" and word[1:].isdigit()):
         budget = word if word == "auto" else int(word[1:])
         return AR.ddtree_label(budget), f"--speculative-algorithm DDTREE {_DRAFT} --speculative-ddtree-budget " + (
             "auto" if budget == "auto" else str(budget))
-    raise ValueError(f"--configs: {word!r} is none of plain, DFLASH, b<budget>, auto")
+    raise ValueError(f"--configs: {word!r} is none of plain, DFLASH, DDTREE, b<budget>, auto")
 
 
 def default_common() -> str:
@@ -121,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--pair", required=True, type=Path, help="target/, draft/, prompts.jsonl (e.g. the lifted pair)")
-    ap.add_argument("--configs", default="auto,plain,DFLASH,b15", help="in start order; a deadline drops the last")
+    ap.add_argument("--configs", default="auto,plain,DFLASH,b15", help="plain, DFLASH, DDTREE (no budget flag: the pin's default), b<budget>, auto; in start order (a deadline drops the last)")
     ap.add_argument("--concurrency", default="64,256")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--startup-timeout", type=float, default=330.0)

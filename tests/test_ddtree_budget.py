@@ -701,6 +701,21 @@ def test_resolve_auto_sizes_the_round_for_the_widest_width(max_batch, cap, width
     assert ds.tree_capacity(topk, block - 1, budget) >= budget
 
 
+def test_resolve_default_budget_is_auto_where_the_pin_serves_it():
+    """No budget and no verify width: auto on a pin that serves it (passes ``auto_max_batch``),
+    the block size - 1 on one that does not. A verify width given alone keeps its fixed budget."""
+    args = _args()
+    block, budget, _ = ds.resolve_ddtree_server_args(args, _dflash, lambda a: 256)
+    assert args.speculative_ddtree_auto_widths == [8, 16, 32, 64, 128, 256]
+    assert (block, budget, args.speculative_ddtree_budget) == (16, 255, 255)
+    args = _args()
+    assert ds.resolve_ddtree_server_args(args, _dflash) == (16, 15, 15)
+    assert not hasattr(args, "speculative_ddtree_auto_widths")
+    args = _args(speculative_num_draft_tokens=32)
+    assert ds.resolve_ddtree_server_args(args, _dflash, lambda a: 256) == (16, 31, 16)
+    assert not hasattr(args, "speculative_ddtree_auto_widths")
+
+
 def test_resolve_auto_refusals():
     with pytest.raises(ValueError, match="not available on this SGLang version"):
         ds.resolve_ddtree_server_args(_args(speculative_ddtree_budget="auto"), _dflash)

@@ -563,6 +563,8 @@ def test_default_start_starts_each_config_alone_and_reads_its_memory(tmp_path, m
     assert "| DDTREE auto | yes |" in table and "| 300000 |" in table
     with pytest.raises(ValueError, match="none of plain"):
         ds.config_flags("b15x")
+    label, flags = ds.config_flags("DDTREE")  # the pin's default budget: no budget flag at all
+    assert label == "DDTREE default" and "--speculative-algorithm DDTREE" in flags and "budget" not in flags
     # a configuration that runs out of memory at start: reported, the run fails, the next still runs
     monkeypatch.setattr(ds, "config_flags", lambda w: (
         ("DDTREE oom", "--speculative-algorithm DDTREE --speculative-ddtree-budget oom") if w == "oom" else

@@ -121,7 +121,8 @@ class Launch(_Strict):
 
     env_file: str
     variable: str = _launch.DEFAULT_VARIABLE
-    ddtree_args: str = _launch.DEFAULT_DDTREE_ARGS  # what a push of a DDTREE build sets
+    # what a push of a DDTREE build sets; None: the build's pin's default (args_for)
+    ddtree_args: str | None = None
 
     @field_validator("env_file")
     @classmethod
@@ -135,8 +136,13 @@ class Launch(_Strict):
 
     @field_validator("ddtree_args")
     @classmethod
-    def _args(cls, v: str) -> str:
-        return _launch.validate_ddtree_args(v)
+    def _args(cls, v: str | None) -> str | None:
+        return None if v is None else _launch.validate_ddtree_args(v)
+
+    def args_for(self, sglang_version: str) -> str:
+        """The DDTREE flags a push of a `sglang_version` build sets: `ddtree_args`, or the pin's
+        default (launch.default_ddtree_args)."""
+        return self.ddtree_args or _launch.default_ddtree_args(sglang_version)
 
 
 class Host(_Strict):

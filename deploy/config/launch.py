@@ -18,8 +18,9 @@ before the first push are the pristine copy), uploaded, hashed, swapped atomical
 `rollback` and by the automatic rollback in the same transition. Under a release's `files/` and
 `backup/` and under `pristine/` an absolute path is stored as `@abs/<path>` (store_rel).
 
-A push of a DDTREE build (its spec_info.py defines DDTREE) sets the variable to `ddtree_args` and
-keeps every other line of the file; a build without DDTREE leaves the file as it is. The health
+A push of a DDTREE build (its spec_info.py defines DDTREE) sets the variable to `ddtree_args` (when
+the inventory gives none: `default_ddtree_args` of the build's pin, budget auto on 0.5.16, 63 on
+0.5.13.post1) and keeps every other line of the file; a build without DDTREE leaves the file as it is. The health
 gate of a transition expects the algorithm that the env file it puts in place names
 (`--speculative-algorithm X`, or NONE when there is none: SGLang then reports null), so a rollback
 expects the previous flags' algorithm, and the automatic rollback after a failed push expects the
@@ -39,7 +40,10 @@ from dataclasses import dataclass, field
 from ddtree_serving import DDTREE_AUTO, DDTREE_MAX_BUDGET  # the server-args rules both pins apply
 
 DEFAULT_VARIABLE = "SGLANG_SPEC_ARGS"
+# What a push of a DDTREE build sets when [hosts.<name>.launch] gives no ddtree_args: budget auto on
+# the pins that serve it (DDTREE_AUTO_PINS), b63 on the others (default_ddtree_args).
 DEFAULT_DDTREE_ARGS = "--speculative-algorithm DDTREE --speculative-ddtree-budget 63"
+DEFAULT_DDTREE_AUTO_ARGS = "--speculative-algorithm DDTREE --speculative-ddtree-budget auto"
 NO_ALGORITHM = "NONE"  # what the health gate expects when the flags name no algorithm
 ABS_PREFIX = "@abs"  # absolute target paths under files/, backup/ and pristine/
 SPEC_INFO = "srt/speculative/spec_info.py"
@@ -133,6 +137,13 @@ def validate_ddtree_args(args: str) -> str:
 # SGLang pins whose DDTREE worker serves `--speculative-ddtree-budget auto` (the others refuse it at
 # start: docs/DDTREE.md, "--speculative-ddtree-budget auto").
 DDTREE_AUTO_PINS = ("0.5.16",)
+
+
+def default_ddtree_args(sglang_version: str) -> str:
+    """The DDTREE flags a push of a `sglang_version` build sets when the inventory names none: budget
+    auto where the pin serves it (it picks the verify width per round, and plain decode where trees
+    do not pay), budget 63 elsewhere."""
+    return DEFAULT_DDTREE_AUTO_ARGS if sglang_version in DDTREE_AUTO_PINS else DEFAULT_DDTREE_ARGS
 
 
 def auto_budget_refusal(args: str | None, sglang_version: str) -> str | None:

@@ -50,11 +50,12 @@ def for_push(t: Transport, build: BuildInfo, facts: HostFacts) -> EnvChange | No
     before = read_host_file(t, lc.env_file, facts)
     after = before
     if build_has_ddtree(build):
-        refusal = auto_budget_refusal(lc.ddtree_args, build.sglang_version)
+        args = lc.args_for(build.sglang_version)
+        refusal = auto_budget_refusal(args, build.sglang_version)
         if refusal is not None:
             raise RemoteRefused(f"{h.name}: {lc.env_file}: {refusal} (nothing changed)")
         try:
-            after = render_env(before, lc.variable, lc.ddtree_args)
+            after = render_env(before, lc.variable, args)
         except ValueError as exc:
             raise RemoteRefused(f"{h.name}: {lc.env_file}: {exc} (nothing changed)") from None
     elif algorithm_of(parse_env(before).get(lc.variable)) == "DDTREE":

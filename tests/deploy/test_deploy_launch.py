@@ -107,7 +107,12 @@ def test_launch_inventory_defaults_and_cli_exit_2(tmp_path):
     p = tmp_path / "hosts.toml"
     p.write_text(INV)
     lc = load_inventory(p).get("gpu").launch
-    assert (lc.env_file, lc.variable, lc.ddtree_args) == ("/etc/sglang/ddtree.env", "SGLANG_SPEC_ARGS", launch.DEFAULT_DDTREE_ARGS)
+    assert (lc.env_file, lc.variable, lc.ddtree_args) == ("/etc/sglang/ddtree.env", "SGLANG_SPEC_ARGS", None)
+    # no ddtree_args: budget auto where the build's pin serves it, b63 elsewhere
+    assert lc.args_for("0.5.16") == "--speculative-algorithm DDTREE --speculative-ddtree-budget auto"
+    assert lc.args_for("0.5.13.post1") == "--speculative-algorithm DDTREE --speculative-ddtree-budget 63"
+    for version in launch.DDTREE_AUTO_PINS + ("0.5.13.post1",):
+        assert launch.auto_budget_refusal(lc.args_for(version), version) is None
     p.write_text(INV.replace('"/etc/sglang/ddtree.env"', '"etc/ddtree.env"'))
     r = subprocess.run([str(VENV_BIN / "ddtree-deploy"), "plan", "gpu", "-i", str(p), "--json"], capture_output=True, text=True, check=False)
     assert r.returncode == 2 and "hosts.gpu.launch.env_file: must be an absolute path" in r.stderr
@@ -379,10 +384,13 @@ def test_budget_auto_passes_the_inventory_and_is_refused_for_a_pin_without_it(tm
         assert msg is not None and "served on SGLang 0.5.16 only" in msg and "0.5.13.post1" in msg
 
 
-@pytest.mark.parametrize(("version", "refused"), [("0.5.13.post1", True), ("0.5.16", False)])
-def test_push_of_budget_auto_checks_the_builds_pin(tmp_path, version, refused):
+@pytest.mark.parametrize(("version", "refused", "named"), [
+    ("0.5.13.post1", True, True), ("0.5.16", False, True), ("0.5.13.post1", False, False), ("0.5.16", False, False),
+])
+def test_push_of_budget_auto_checks_the_builds_pin(tmp_path, version, refused, named):
     """envfile.for_push with `auto` in ddtree_args: a DDTREE build of 0.5.13.post1 is refused
-    before anything is written (RemoteRefused names the pin), one of 0.5.16 renders the file. The
+    before anything is written (RemoteRefused names the pin), one of 0.5.16 renders the file.
+    Without ddtree_args each pin's build renders its default (auto on 0.5.16, b63 on 0.5.13.post1). The
     env file is read from the host facts, so no connection is made: the transport is a stand-in
     holding only the inventory host (the sshd push tests above cover the rest of the path)."""
     from types import SimpleNamespace
@@ -394,7 +402,10 @@ def test_push_of_budget_auto_checks_the_builds_pin(tmp_path, version, refused):
 
     p = tmp_path / "hosts.toml"
     args = "--speculative-algorithm DDTREE --speculative-ddtree-budget auto"
-    p.write_text(INV + f'ddtree_args = "{args}"\n')
+    p.write_text(INV + (f'ddtree_args = "{args}"\n' if named else ""))
+    if not named:  # the pin's default: auto on 0.5.16, b63 on 0.5.13.post1
+        args = launch.default_ddtree_args(version)
+        assert args.endswith("auto" if version == "0.5.16" else "63")
     host = load_inventory(p).get("gpu")
     root = tmp_path / "build"
     (root / "srt/speculative").mkdir(parents=True)

@@ -127,6 +127,23 @@ def test_auto_only_runs_the_listed_options_in_turn(parse, monkeypatch):
         auto_rounds(args, "cpu")
 
 
+def test_budget_auto_is_the_default(parse):
+    """This pin serves auto, so DDTREE without --speculative-ddtree-budget runs it (the server
+    args the pin's real handling derives equal those of an explicit auto); a verify width
+    (--speculative-num-draft-tokens) or a budget given keeps a fixed budget."""
+    default, explicit = parse(), parse("--speculative-ddtree-budget auto")
+    assert default.speculative_ddtree_auto_widths == explicit.speculative_ddtree_auto_widths
+    assert default.speculative_ddtree_auto_widths[0] == 8
+    for field in ("speculative_ddtree_budget", "speculative_num_draft_tokens", "speculative_ddtree_topk_cap",
+                  "speculative_num_steps", "speculative_eagle_topk", "max_running_requests"):
+        assert getattr(default, field) == getattr(explicit, field), field
+    assert default.speculative_ddtree_budget == default.speculative_ddtree_auto_widths[-1] - 1
+    width = parse("--speculative-num-draft-tokens 32")
+    assert (width.speculative_ddtree_budget, width.speculative_ddtree_auto_widths) == (31, None)
+    fixed = parse("--speculative-ddtree-budget 15")
+    assert (fixed.speculative_ddtree_budget, fixed.speculative_ddtree_auto_widths) == (15, None)
+
+
 def test_budget_auto_at_the_default_graph_batch_keeps_every_width_in_its_range(parse):
     """At 0.5.16's default decode graphs on an 80-160 GB card (batch 256 at TP < 4) auto keeps
     every width: width 256 up to batch 16, 64 up to 64, 8 every batch (before the ranges, the
