@@ -1004,7 +1004,9 @@ class _WorkerRound:
       the verify slots as ``1000 * token + position``, its hidden state ``[token, position]``
       (a causal target's hidden state depends on the token and what precedes its position only);
     * the draft KV write of the committed tokens (`_append_target_hidden_to_draft_kv_by_loc`,
-      the draft model's KV projection): records the hidden state and position per draft slot.
+      the draft model's KV projection): records the hidden state and position per draft slot,
+      in the layout the real one takes (``cache_loc_2d`` ``[bs, rows]``, the other arguments
+      flat in the same order, checked as the real one checks them), and the rows it projected.
     """
 
     def __init__(self, rounds, widths, block, vocab, k, bs, table, seed):
@@ -1045,7 +1047,7 @@ class _WorkerRound:
             _append_target_hidden_to_draft_kv_by_loc=self._draft_kv_write,
         )
         self.worker, self.runner = w, runner
-        self.draft_forwards, self.verify_widths, self.draft_kv = 0, [], {}
+        self.draft_forwards, self.verify_widths, self.draft_kv, self.draft_kv_rows = 0, [], {}, []
 
     def _draft_forward(self, forward_batch):
         self.draft_forwards += 1
@@ -1073,8 +1075,11 @@ class _WorkerRound:
         return SimpleNamespace(logits_output=out, can_run_cuda_graph=False)
 
     def _draft_kv_write(self, *, target_hidden, cache_loc, positions, cache_loc_2d, commit_lens):
-        bs = cache_loc_2d.shape[0]
-        hidden, pos = target_hidden.view(bs, self.block, -1), positions.view(bs, self.block)
+        bs, rows = cache_loc_2d.shape
+        assert target_hidden.shape[0] == cache_loc.numel() == positions.numel() == bs * rows
+        assert torch.equal(cache_loc, cache_loc_2d.reshape(-1)) and int(commit_lens.max()) <= rows
+        self.draft_kv_rows.append(rows)
+        hidden, pos = target_hidden.view(bs, rows, -1), positions.view(bs, rows)
         for b in range(bs):
             for j in range(int(commit_lens[b])):
                 self.draft_kv[int(cache_loc_2d[b, j])] = (hidden[b, j].tolist(), int(pos[b, j]))
@@ -1151,6 +1156,9 @@ def test_worker_rounds_with_off_give_the_targets_greedy_tokens_and_keep_the_draf
             assert s == want
         n_off = ran.count(db.OFF_WIDTH)
         assert wr.draft_forwards == len(ran) - n_off  # off rounds run no draft forward
+        # an off round projects one row a request into the draft KV (its one committed token), a
+        # tree round the whole block
+        assert wr.draft_kv_rows == [1 if r == db.OFF_WIDTH else block for r in ran]
         assert rounds.observed == 24 and rounds.dropped == 0
         if off:
             assert n_off > 0 and set(ran) - {db.OFF_WIDTH}  # off and tree rounds both ran
