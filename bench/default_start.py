@@ -46,7 +46,15 @@ _DRAFT = "--speculative-draft-model-path {draft}"
 
 def config_flags(word: str) -> tuple[str, str]:
     """``plain``, ``DFLASH``, ``DDTREE`` (no budget flag: the pin's default), ``b<budget>`` or
-    ``auto`` -> (label, speculative flags)."""
+    ``auto`` -> (label, speculative flags). A suffix ``@N`` adds ``--max-running-requests N``
+    (SGLang's DFLASH handling resets an unset cap to 48 for every DFlash-family server; ``auto@256``
+    asks what lifting it costs in memory and gives at high load)."""
+    base, at, running = word.partition("@")
+    if at:
+        if not running.isdigit() or int(running) < 1:
+            raise ValueError(f"--configs: {word!r}: the running cap after @ must be a positive integer")
+        label, flags = config_flags(base)
+        return f"{label} (running {int(running)})", f"{flags} --max-running-requests {int(running)}".strip()
     if word == "plain":
         return "plain", ""
     if word == "DDTREE":
@@ -124,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--pair", required=True, type=Path, help="target/, draft/, prompts.jsonl (e.g. the lifted pair)")
-    ap.add_argument("--configs", default="auto,plain,DFLASH,b15", help="plain, DFLASH, DDTREE (no budget flag: the pin's default), b<budget>, auto; in start order (a deadline drops the last)")
+    ap.add_argument("--configs", default="auto,plain,DFLASH,b15", help="plain, DFLASH, DDTREE (no budget flag: the pin's default), b<budget>, auto, each with an optional @N (--max-running-requests N); in start order (a deadline drops the last)")
     ap.add_argument("--concurrency", default="64,256")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--startup-timeout", type=float, default=330.0)

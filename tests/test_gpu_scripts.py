@@ -565,6 +565,12 @@ def test_default_start_starts_each_config_alone_and_reads_its_memory(tmp_path, m
         ds.config_flags("b15x")
     label, flags = ds.config_flags("DDTREE")  # the pin's default budget: no budget flag at all
     assert label == "DDTREE default" and "--speculative-algorithm DDTREE" in flags and "budget" not in flags
+    label, flags = ds.config_flags("auto@256")  # the running-request cap lifted
+    assert label == "DDTREE auto (running 256)" and flags.endswith("--speculative-ddtree-budget auto --max-running-requests 256")
+    assert ds.config_flags("plain@64") == ("plain (running 64)", "--max-running-requests 64")
+    for bad in ("auto@", "auto@x", "auto@0"):
+        with pytest.raises(ValueError, match="running cap"):
+            ds.config_flags(bad)
     # a configuration that runs out of memory at start: reported, the run fails, the next still runs
     monkeypatch.setattr(ds, "config_flags", lambda w: (
         ("DDTREE oom", "--speculative-algorithm DDTREE --speculative-ddtree-budget oom") if w == "oom" else
