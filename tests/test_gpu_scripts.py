@@ -209,6 +209,25 @@ def test_e2e_range_check_reads_the_snapshot_auto_rounds_writes():
     assert not e2e.startup_seeds_in_range({})
 
 
+def test_e2e_matrix_default_budget_row_is_auto_where_the_pin_defaults_to_it():
+    """ddtree_e2e's `default` budget starts DDTREE with no budget flag; on 0.5.16 (default auto) the
+    row gets auto's checks, on 0.5.13.post1 (default block - 1) a fixed budget's."""
+    e2e = _load_by_path("ddtree_e2e", Path(__file__).parent / "gpu" / "ddtree_e2e.py")
+    assert e2e.parse_budgets("15,default,auto") == [15, "default", "auto"]
+    with pytest.raises(SystemExit, match="default"):
+        e2e.parse_budgets("15,dflt")
+    for pin, auto in (("0.5.16", "auto"), ("0.5.13.post1", "")):
+        rows = {c.name: c for c in e2e.build_matrix(["triton"], ["default", 15], ["cg"], pin)}
+        row = rows["triton-ddtree-bdefault-cg"]
+        assert "--speculative-algorithm DDTREE" in row.extra and "--speculative-ddtree-budget" not in row.extra
+        assert row.auto == auto and row.kind == "ddtree"
+        assert "--speculative-ddtree-budget 15" in rows["triton-ddtree-b15-cg"].extra
+    # the e2e script runs with the standard library only, so it keeps its own list: the same pins
+    # as the deploy tool's (the pins whose worker serves auto)
+    from ddtree_deploy.deploy.config.launch import DDTREE_AUTO_PINS
+    assert e2e.DEFAULT_AUTO_PINS == DDTREE_AUTO_PINS
+
+
 def test_acceptance_run_takes_auto_beside_fixed_budgets_and_checks_it_on_attach():
     """--budgets 15,auto gives a "DDTREE b15" and a "DDTREE auto" server; --attach accepts a port
     whose /get_server_info says budget "auto" for the latter and refuses it for b15. The server

@@ -99,26 +99,31 @@ class Config:
 
 
 AUTO_BUDGETS = ("auto", "autocycle")
+DEFAULT_BUDGET = "default"  # DDTREE with no budget flag: the pin's default
+# pins whose default budget is auto (ddtree_serving.resolve_ddtree_server_args)
+DEFAULT_AUTO_PINS = ("0.5.16",)
 
 
 def parse_budgets(text: str) -> list:
-    """--budgets: integers and auto / autocycle."""
+    """--budgets: integers, auto / autocycle, and default (no budget flag)."""
     out = []
     for b in text.split(","):
         b = b.strip().lower()
-        if b in AUTO_BUDGETS:
+        if b in AUTO_BUDGETS or b == DEFAULT_BUDGET:
             out.append(b)
         elif b.isdigit():
             out.append(int(b))
         else:
-            raise SystemExit(f"--budgets: {b!r} is not an integer, auto or autocycle")
+            raise SystemExit(f"--budgets: {b!r} is not an integer, auto, autocycle or default")
     return out
 
 
 def build_matrix(
-    backends: list[str], budgets: list, graphs: list[str]
+    backends: list[str], budgets: list, graphs: list[str], pin: str = "0.5.13.post1"
 ) -> list[Config]:
-    """base and DFLASH per backend, DDTREE per budget x graph mode; extra checks on budget 15."""
+    """base and DFLASH per backend, DDTREE per budget x graph mode; extra checks on budget 15.
+    Budget ``default`` starts DDTREE without a budget flag; where the pin's default is auto, the
+    row gets auto's checks (the controller ran, its start-up table, one capture stream)."""
     out: list[Config] = []
     for be in backends:
         out.append(Config(f"{be}-base", be, "", "base"))
@@ -134,10 +139,11 @@ def build_matrix(
             for g in graphs:
                 extras = b == 15
                 auto = b if b in AUTO_BUDGETS else ""
-                extra = (
-                    "--speculative-algorithm DDTREE --speculative-draft-model-path {draft} "
-                    f"--speculative-ddtree-budget {'auto' if auto else b}"
-                )
+                extra = "--speculative-algorithm DDTREE --speculative-draft-model-path {draft}"
+                if b == DEFAULT_BUDGET:
+                    auto = "auto" if pin in DEFAULT_AUTO_PINS else ""
+                else:
+                    extra += f" --speculative-ddtree-budget {'auto' if auto else b}"
                 env = {}
                 if (extras or auto) and g == "cg":
                     # host syncs inside the round reported in the log (0.5.16 worker)
@@ -731,6 +737,7 @@ def main() -> int:
         a.backends.split(","),
         parse_budgets(a.budgets),
         a.graphs.split(","),
+        a.pin,
     )
     if a.only:
         configs = [c for c in configs if re.search(a.only, c.name)]
