@@ -265,9 +265,9 @@ def resolve_ddtree_server_args(
     1..DDTREE_MAX_BUDGET (default: below), top-k cap >= 1 (default min(budget, 16), clamped to
     the budget) able to hold the budget, no deterministic inference and no lossy acceptance.
 
-    The default budget: ``auto`` on a pin that serves it (one that passes ``auto_max_batch``), when
-    neither ``--speculative-ddtree-budget`` nor ``--speculative-num-draft-tokens`` is given;
-    otherwise the block size - 1.
+    The default budget: ``auto`` on a pin that serves it (one that passes ``auto_max_batch``) at
+    ``tp_size`` 1, when neither ``--speculative-ddtree-budget`` nor
+    ``--speculative-num-draft-tokens`` is given; otherwise the block size - 1.
 
     ``--speculative-ddtree-budget auto`` (a pin that runs it passes ``auto_max_batch``: the
     largest batch one verify may hold after the DFLASH handling, e.g. the largest CUDA-graph
@@ -285,7 +285,16 @@ def resolve_ddtree_server_args(
     verify_width = server_args.speculative_num_draft_tokens
     budget = parse_ddtree_budget(server_args.speculative_ddtree_budget)
     if budget is None and verify_width is None and auto_max_batch is not None:
-        budget = DDTREE_AUTO  # the default where the pin serves auto (docs/DDTREE.md, "Defaults")
+        # the default where the pin serves auto (docs/DDTREE.md, "Defaults"); auto is not built
+        # for tensor parallelism (the ranks would time and choose apart), so TP > 1 keeps block - 1
+        if int(getattr(server_args, "tp_size", 1) or 1) == 1:
+            budget = DDTREE_AUTO
+            logger.info("DDTREE: --speculative-ddtree-budget auto (the default on this version).")
+        else:
+            logger.info(
+                "DDTREE: a fixed budget of block size - 1 (the default with --tp-size > 1, "
+                "where budget auto is not available)."
+            )
     auto = budget == DDTREE_AUTO
     if auto:
         if auto_max_batch is None:

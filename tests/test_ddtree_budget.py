@@ -702,8 +702,9 @@ def test_resolve_auto_sizes_the_round_for_the_widest_width(max_batch, cap, width
 
 
 def test_resolve_default_budget_is_auto_where_the_pin_serves_it():
-    """No budget and no verify width: auto on a pin that serves it (passes ``auto_max_batch``),
-    the block size - 1 on one that does not. A verify width given alone keeps its fixed budget."""
+    """No budget and no verify width: auto on a pin that serves it (passes ``auto_max_batch``) at
+    TP 1, the block size - 1 on one that does not or at TP > 1. A verify width given alone keeps
+    its fixed budget."""
     args = _args()
     block, budget, _ = ds.resolve_ddtree_server_args(args, _dflash, lambda a: 256)
     assert args.speculative_ddtree_auto_widths == [8, 16, 32, 64, 128, 256]
@@ -713,6 +714,11 @@ def test_resolve_default_budget_is_auto_where_the_pin_serves_it():
     assert not hasattr(args, "speculative_ddtree_auto_widths")
     args = _args(speculative_num_draft_tokens=32)
     assert ds.resolve_ddtree_server_args(args, _dflash, lambda a: 256) == (16, 31, 16)
+    assert not hasattr(args, "speculative_ddtree_auto_widths")
+    # auto is not built for tensor parallelism: the default there stays block - 1 (an explicit auto
+    # is refused by the pin's worker, with the flag to pass)
+    args = _args(tp_size=2)
+    assert ds.resolve_ddtree_server_args(args, _dflash, lambda a: 256) == (16, 15, 15)
     assert not hasattr(args, "speculative_ddtree_auto_widths")
 
 

@@ -19,8 +19,8 @@ before the first push are the pristine copy), uploaded, hashed, swapped atomical
 `backup/` and under `pristine/` an absolute path is stored as `@abs/<path>` (store_rel).
 
 A push of a DDTREE build (its spec_info.py defines DDTREE) sets the variable to `ddtree_args` (when
-the inventory gives none: `default_ddtree_args` of the build's pin, budget auto on 0.5.16, 63 on
-0.5.13.post1) and keeps every other line of the file; a build without DDTREE leaves the file as it is. The health
+the inventory gives none: `default_ddtree_args` of the build's pin: on 0.5.16 no budget flag, so the
+server's default, budget auto at --tp-size 1; 63 on 0.5.13.post1) and keeps every other line of the file; a build without DDTREE leaves the file as it is. The health
 gate of a transition expects the algorithm that the env file it puts in place names
 (`--speculative-algorithm X`, or NONE when there is none: SGLang then reports null), so a rollback
 expects the previous flags' algorithm, and the automatic rollback after a failed push expects the
@@ -40,10 +40,12 @@ from dataclasses import dataclass, field
 from ddtree_serving import DDTREE_AUTO, DDTREE_MAX_BUDGET  # the server-args rules both pins apply
 
 DEFAULT_VARIABLE = "SGLANG_SPEC_ARGS"
-# What a push of a DDTREE build sets when [hosts.<name>.launch] gives no ddtree_args: budget auto on
-# the pins that serve it (DDTREE_AUTO_PINS), b63 on the others (default_ddtree_args).
+# What a push of a DDTREE build sets when [hosts.<name>.launch] gives no ddtree_args
+# (default_ddtree_args): on the pins that serve budget auto (DDTREE_AUTO_PINS) no budget flag, so the
+# server takes its own default (auto at --tp-size 1, block size - 1 above, where auto is not built);
+# b63 on the others.
 DEFAULT_DDTREE_ARGS = "--speculative-algorithm DDTREE --speculative-ddtree-budget 63"
-DEFAULT_DDTREE_AUTO_ARGS = "--speculative-algorithm DDTREE --speculative-ddtree-budget auto"
+DEFAULT_DDTREE_AUTO_ARGS = "--speculative-algorithm DDTREE"
 NO_ALGORITHM = "NONE"  # what the health gate expects when the flags name no algorithm
 ABS_PREFIX = "@abs"  # absolute target paths under files/, backup/ and pristine/
 SPEC_INFO = "srt/speculative/spec_info.py"
@@ -140,9 +142,10 @@ DDTREE_AUTO_PINS = ("0.5.16",)
 
 
 def default_ddtree_args(sglang_version: str) -> str:
-    """The DDTREE flags a push of a `sglang_version` build sets when the inventory names none: budget
-    auto where the pin serves it (it picks the verify width per round, and plain decode where trees
-    do not pay), budget 63 elsewhere."""
+    """The DDTREE flags a push of a `sglang_version` build sets when the inventory names none: where
+    the pin serves budget auto, no budget flag (the server's default: auto, which picks the verify
+    width per round and plain decode where trees do not pay, at --tp-size 1; block size - 1 at
+    --tp-size > 1, which the tool cannot see from here), budget 63 elsewhere."""
     return DEFAULT_DDTREE_AUTO_ARGS if sglang_version in DDTREE_AUTO_PINS else DEFAULT_DDTREE_ARGS
 
 

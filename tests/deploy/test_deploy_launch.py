@@ -108,8 +108,9 @@ def test_launch_inventory_defaults_and_cli_exit_2(tmp_path):
     p.write_text(INV)
     lc = load_inventory(p).get("gpu").launch
     assert (lc.env_file, lc.variable, lc.ddtree_args) == ("/etc/sglang/ddtree.env", "SGLANG_SPEC_ARGS", None)
-    # no ddtree_args: budget auto where the build's pin serves it, b63 elsewhere
-    assert lc.args_for("0.5.16") == "--speculative-algorithm DDTREE --speculative-ddtree-budget auto"
+    # no ddtree_args: the server's own default where the build's pin serves auto (auto at TP 1), b63
+    # elsewhere
+    assert lc.args_for("0.5.16") == "--speculative-algorithm DDTREE"
     assert lc.args_for("0.5.13.post1") == "--speculative-algorithm DDTREE --speculative-ddtree-budget 63"
     for version in launch.DDTREE_AUTO_PINS + ("0.5.13.post1",):
         assert launch.auto_budget_refusal(lc.args_for(version), version) is None
@@ -390,7 +391,8 @@ def test_budget_auto_passes_the_inventory_and_is_refused_for_a_pin_without_it(tm
 def test_push_of_budget_auto_checks_the_builds_pin(tmp_path, version, refused, named):
     """envfile.for_push with `auto` in ddtree_args: a DDTREE build of 0.5.13.post1 is refused
     before anything is written (RemoteRefused names the pin), one of 0.5.16 renders the file.
-    Without ddtree_args each pin's build renders its default (auto on 0.5.16, b63 on 0.5.13.post1). The
+    Without ddtree_args each pin's build renders its default (no budget flag on 0.5.16, whose
+    server then runs auto at TP 1; b63 on 0.5.13.post1). The
     env file is read from the host facts, so no connection is made: the transport is a stand-in
     holding only the inventory host (the sshd push tests above cover the rest of the path)."""
     from types import SimpleNamespace
@@ -403,9 +405,9 @@ def test_push_of_budget_auto_checks_the_builds_pin(tmp_path, version, refused, n
     p = tmp_path / "hosts.toml"
     args = "--speculative-algorithm DDTREE --speculative-ddtree-budget auto"
     p.write_text(INV + (f'ddtree_args = "{args}"\n' if named else ""))
-    if not named:  # the pin's default: auto on 0.5.16, b63 on 0.5.13.post1
+    if not named:  # the pin's default: no budget flag on 0.5.16 (the server's auto), b63 on 0.5.13.post1
         args = launch.default_ddtree_args(version)
-        assert args.endswith("auto" if version == "0.5.16" else "63")
+        assert args.endswith("DDTREE" if version == "0.5.16" else "63")
     host = load_inventory(p).get("gpu")
     root = tmp_path / "build"
     (root / "srt/speculative").mkdir(parents=True)

@@ -142,6 +142,9 @@ def test_budget_auto_is_the_default(parse):
     assert (width.speculative_ddtree_budget, width.speculative_ddtree_auto_widths) == (31, None)
     fixed = parse("--speculative-ddtree-budget 15")
     assert (fixed.speculative_ddtree_budget, fixed.speculative_ddtree_auto_widths) == (15, None)
+    # TP > 1 (auto is not built for it): the default is block - 1, as on 0.5.13.post1
+    tp2 = parse("--tp-size 2")
+    assert (tp2.tp_size, tp2.speculative_ddtree_budget, tp2.speculative_ddtree_auto_widths) == (2, BLOCK - 1, None)
 
 
 def test_budget_auto_at_the_default_graph_batch_keeps_every_width_in_its_range(parse):
