@@ -50,6 +50,7 @@ __all__ = [
     "unsupported_sampling_param",
     "validate_ddtree_request",
     "verify_attention_backend",
+    "verify_backend_of",
     "verify_cuda_graph_bs",
     "verify_graph_rows",
     "VERIFY_LOGITS_MEMORY_SHARE",
@@ -255,6 +256,7 @@ def resolve_ddtree_server_args(
     server_args,
     handle_dflash: Callable[[object], None],
     auto_max_batch: Callable[[object], int] | None = None,
+    auto_default: Callable[[object], bool] | None = None,
 ) -> tuple[int, int, int]:
     """The DDTREE part of the server-args handling that is the same on every pin.
 
@@ -266,7 +268,8 @@ def resolve_ddtree_server_args(
     the budget) able to hold the budget, no deterministic inference and no lossy acceptance.
 
     The default budget: ``auto`` on a pin that serves it (one that passes ``auto_max_batch``) at
-    ``tp_size`` 1, when neither ``--speculative-ddtree-budget`` nor
+    ``tp_size`` 1 where the pin's ``auto_default(server_args)`` allows it (e.g. the verify
+    attention backend auto has run on), when neither ``--speculative-ddtree-budget`` nor
     ``--speculative-num-draft-tokens`` is given; otherwise the block size - 1.
 
     ``--speculative-ddtree-budget auto`` (a pin that runs it passes ``auto_max_batch``: the
@@ -287,14 +290,20 @@ def resolve_ddtree_server_args(
     if budget is None and verify_width is None and auto_max_batch is not None:
         # the default where the pin serves auto (docs/DDTREE.md, "Defaults"); auto is not built
         # for tensor parallelism (the ranks would time and choose apart), so TP > 1 keeps block - 1
-        if int(getattr(server_args, "tp_size", 1) or 1) == 1:
-            budget = DDTREE_AUTO
-            logger.info("DDTREE: --speculative-ddtree-budget auto (the default on this version).")
-        else:
+        if int(getattr(server_args, "tp_size", 1) or 1) > 1:
             logger.info(
                 "DDTREE: a fixed budget of block size - 1 (the default with --tp-size > 1, "
                 "where budget auto is not available)."
             )
+        elif auto_default is not None and not auto_default(server_args):
+            logger.info(
+                "DDTREE: a fixed budget of block size - 1 (the default with this verify attention "
+                "backend: budget auto is the default with triton, the backend it is tested on; "
+                "pass --speculative-ddtree-budget auto to run it here)."
+            )
+        else:
+            budget = DDTREE_AUTO
+            logger.info("DDTREE: --speculative-ddtree-budget auto (the default on this version).")
     auto = budget == DDTREE_AUTO
     if auto:
         if auto_max_batch is None:
@@ -398,16 +407,24 @@ def resolve_ddtree_server_args(
     return block_size, budget, topk_cap
 
 
+def verify_backend_of(
+    prefill_backend: str | None, decode_backend: str | None, attention_mode: str | None
+) -> str | None:
+    """The attention backend that runs the target verify: the decode backend with
+    ``--speculative-attention-mode decode``, else the prefill backend."""
+    return decode_backend if attention_mode == "decode" else prefill_backend
+
+
 def verify_attention_backend(
     prefill_backend: str | None,
     decode_backend: str | None,
     attention_mode: str | None,
     tree_mask_backends: tuple[str, ...],
 ) -> str:
-    """The attention backend that runs the target verify (the decode backend with
-    ``--speculative-attention-mode decode``, else the prefill backend), refused unless it is one
-    of the pin's ``tree_mask_backends`` (those that apply the tree mask in TARGET_VERIFY)."""
-    verify_backend = decode_backend if attention_mode == "decode" else prefill_backend
+    """The attention backend that runs the target verify (:func:`verify_backend_of`), refused
+    unless it is one of the pin's ``tree_mask_backends`` (those that apply the tree mask in
+    TARGET_VERIFY)."""
+    verify_backend = verify_backend_of(prefill_backend, decode_backend, attention_mode)
     if verify_backend not in tree_mask_backends:
         raise ValueError(
             f"DDTREE needs a target attention backend that applies a tree mask in "

@@ -703,8 +703,8 @@ def test_resolve_auto_sizes_the_round_for_the_widest_width(max_batch, cap, width
 
 def test_resolve_default_budget_is_auto_where_the_pin_serves_it():
     """No budget and no verify width: auto on a pin that serves it (passes ``auto_max_batch``) at
-    TP 1, the block size - 1 on one that does not or at TP > 1. A verify width given alone keeps
-    its fixed budget."""
+    TP 1 where the pin's ``auto_default`` allows it, the block size - 1 otherwise. A verify width
+    given alone keeps its fixed budget."""
     args = _args()
     block, budget, _ = ds.resolve_ddtree_server_args(args, _dflash, lambda a: 256)
     assert args.speculative_ddtree_auto_widths == [8, 16, 32, 64, 128, 256]
@@ -720,6 +720,14 @@ def test_resolve_default_budget_is_auto_where_the_pin_serves_it():
     args = _args(tp_size=2)
     assert ds.resolve_ddtree_server_args(args, _dflash, lambda a: 256) == (16, 15, 15)
     assert not hasattr(args, "speculative_ddtree_auto_widths")
+    # the pin's auto_default (its verify backend) decides too; it is asked with the user's args
+    seen = []
+    args = _args(attention_backend="flashinfer")
+    assert ds.resolve_ddtree_server_args(args, _dflash, lambda a: 256,
+                                         lambda a: seen.append(a.attention_backend) or False) == (16, 15, 15)
+    assert seen == ["flashinfer"] and not hasattr(args, "speculative_ddtree_auto_widths")
+    args = _args()
+    assert ds.resolve_ddtree_server_args(args, _dflash, lambda a: 256, lambda a: True) == (16, 255, 16)
 
 
 def test_resolve_auto_refusals():
