@@ -297,8 +297,8 @@ def resolve_ddtree_server_args(
             )
         elif auto_default is not None and not auto_default(server_args):
             logger.info(
-                "DDTREE: a fixed budget of block size - 1 (the default with this verify attention "
-                "backend: budget auto is the default with triton, the backend it is tested on; "
+                "DDTREE: a fixed budget of block size - 1 (the default here: budget auto is the "
+                "default with CUDA graphs and the triton verify backend, where it is tested; "
                 "pass --speculative-ddtree-budget auto to run it here)."
             )
         else:

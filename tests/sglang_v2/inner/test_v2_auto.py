@@ -145,14 +145,16 @@ def test_budget_auto_is_the_default(parse):
     # TP > 1 (auto is not built for it): the default is block - 1, as on 0.5.13.post1
     tp2 = parse("--tp-size 2")
     assert (tp2.tp_size, tp2.speculative_ddtree_budget, tp2.speculative_ddtree_auto_widths) == (2, BLOCK - 1, None)
-    # a verify backend other than triton (auto has run on triton only): block - 1 too; an explicit
-    # auto still runs there, and the triton backend named keeps the default
+    # a verify backend other than triton (auto has run on triton only), or no CUDA graphs: block - 1
+    # too; an explicit auto still runs there, and the triton backend named keeps the default
     for flags, auto in (("--attention-backend flashinfer", False),
                         ("--attention-backend flashinfer --speculative-ddtree-budget auto", True),
                         ("--attention-backend triton", True),
                         ("--prefill-attention-backend flashinfer --decode-attention-backend triton", False),
                         ("--prefill-attention-backend flashinfer --decode-attention-backend triton "
-                         "--speculative-attention-mode decode", True)):
+                         "--speculative-attention-mode decode", True),
+                        ("--disable-cuda-graph", False),  # auto has not run without graphs
+                        ("--disable-cuda-graph --speculative-ddtree-budget auto", True)):
         args = parse(flags)
         assert (args.speculative_ddtree_auto_widths is not None) == auto, flags
         if not auto:
