@@ -447,6 +447,12 @@ class BudgetController:
     ``limits`` (``{option: largest batch}``, ``ddtree_serving.auto_width_limits``; an option
     not in it, or mapped to None, serves every batch): a width is offered, explored and warmed
     up only for batches within its range (its verify graphs are captured only there).
+
+    Greedy and sampled batches (``sampled=`` of :meth:`choose` / :meth:`observe`: any request of
+    the batch samples) keep separate calibrations (``calibration``, ``sampled_calibration``): the
+    tree's node probabilities predict a sampled verify's acceptance differently from a greedy
+    one's (H100, lift-c pair: realised / predicted about 1.1 at T = 0 and 0.9 at T = 1), and one
+    shared ratio moved between them over about a hundred rounds after each change of traffic.
     """
 
     OFF_PROBE = 4  # while off is best, the narrowest tree runs 4x as often as exploration's
@@ -471,6 +477,9 @@ class BudgetController:
             raise ValueError(f"no cost for {sorted(map(str, set(self.options) - set(table.options)))}")
         self.table = table
         self.calibration = calibration or AcceptCalibration(self.options)
+        self.sampled_calibration = AcceptCalibration(
+            self.options, self.calibration.prior_ratio, self.calibration.prior_weight, self.calibration.decay
+        )
         self.explore_every = int(explore_every)
         self.widths = sorted(o for o in self.options if isinstance(o, int))
         # Per-request predicted committed tokens (smoothed, see observe); before the first
@@ -486,11 +495,17 @@ class BudgetController:
         self.history = {o: 0 for o in self.options}
         self.last = None
 
-    def expected(self) -> dict:
-        """Calibrated expected committed tokens per request of every option."""
+    def calibration_of(self, sampled: bool) -> AcceptCalibration:
+        """The calibration of greedy (``sampled=False``) or sampled batches."""
+        return self.sampled_calibration if sampled else self.calibration
+
+    def expected(self, sampled: bool = False) -> dict:
+        """Calibrated expected committed tokens per request of every option, for a greedy or a
+        sampled batch."""
+        cal = self.calibration_of(sampled)
         out = {}
         for o in self.options:
-            out[o] = 1.0 if o == OFF else self.calibration.calibrate(o, self.predicted[o])
+            out[o] = 1.0 if o == OFF else cal.calibrate(o, self.predicted[o])
         return monotone_in_width(out)
 
     def offers(self, option: Option, bs: int) -> bool:
@@ -498,7 +513,7 @@ class BudgetController:
         limit = self.limits.get(option)
         return limit is None or int(bs) <= limit
 
-    def choose(self, bs: int) -> Option:
+    def choose(self, bs: int, sampled: bool = False) -> Option:
         self.choices += 1
         missing = [o for o in self.table.missing(bs) if o in self.history and self.offers(o, bs)]
         if missing:  # warm-up: run every option once in this batch bucket to measure it
@@ -507,7 +522,7 @@ class BudgetController:
             self.last = best
             return best
         costs = {o: c for o, c in self.table.costs(bs).items() if self.offers(o, bs)}
-        best = best_option(bs, {o: e for o, e in self.expected().items() if o in costs}, costs)
+        best = best_option(bs, {o: e for o, e in self.expected(sampled).items() if o in costs}, costs)
         widths = [w for w in self.widths if self.offers(w, bs)]
         # While off is best, a tree round comes every OFF_PROBE-th of the interval: an off round
         # drafts nothing, so the trees' estimate is frozen at the round that sent the choice to
@@ -533,10 +548,16 @@ class BudgetController:
         return best
 
     def observe(
-        self, option: Option, predicted_sums: Mapping[Option, float], realised_sum: float, requests: int
+        self,
+        option: Option,
+        predicted_sums: Mapping[Option, float],
+        realised_sum: float,
+        requests: int,
+        sampled: bool = False,
     ) -> None:
         """One finished round: ``predicted_sums`` per option (sums over the batch's requests of
-        the expected committed tokens), ``realised_sum`` committed tokens of the batch."""
+        the expected committed tokens), ``realised_sum`` committed tokens of the batch, and
+        whether the batch sampled (the calibration it updates)."""
         n = int(requests)
         if n <= 0:
             return
@@ -550,7 +571,7 @@ class BudgetController:
                 self.predicted[o] += w * (float(s) / n - self.predicted[o])
         if option != OFF:
             pred = float(predicted_sums.get(option, self.predicted[option] * n))
-            self.calibration.update(option, max(0.0, pred - n), max(0.0, float(realised_sum) - n))
+            self.calibration_of(sampled).update(option, max(0.0, pred - n), max(0.0, float(realised_sum) - n))
 
     def snapshot(self) -> dict:
         """What ``/get_server_info`` and the log show: the cost table, the calibration, the
@@ -559,7 +580,9 @@ class BudgetController:
             "options": [str(o) for o in self.options],
             "cost_table": self.table.as_dict(),
             "calibration": self.calibration.snapshot(),
+            "calibration_sampled": self.sampled_calibration.snapshot(),
             "expected_committed": {str(k): round(v, 4) for k, v in self.expected().items()},
+            "expected_committed_sampled": {str(k): round(v, 4) for k, v in self.expected(True).items()},
             "chosen": {str(k): v for k, v in self.history.items()},
             "last": None if self.last is None else str(self.last),
             "max_batch": {str(k): v for k, v in self.limits.items()},
@@ -673,11 +696,12 @@ class AutoRounds:
         """The controller's option a round of verify width ``width`` ran."""
         return OFF if self.off and int(width) == OFF_WIDTH else int(width)
 
-    def choose(self, bs: int) -> int:
-        """The verify width of the next round of ``bs`` requests (``OFF_WIDTH``: off)."""
+    def choose(self, bs: int, sampled: bool = False) -> int:
+        """The verify width of the next round of ``bs`` requests (``OFF_WIDTH``: off);
+        ``sampled``: whether any of them samples (the calibration the choice uses)."""
         self.rounds += 1
         if not self.cycle:
-            o = self.controller.choose(int(bs))
+            o = self.controller.choose(int(bs), sampled=bool(sampled))
             return OFF_WIDTH if o == OFF else int(o)
         offered = [w for w in self.verify_widths if self.controller.offers(self.option(w), bs)]
         ws = [w for w in self.cycle_widths or offered if w in offered] or [self.widths[0]]
@@ -687,10 +711,13 @@ class AutoRounds:
         self.controller.last = o
         return w
 
-    def record(self, width: int, expected: Tensor | None, start=None, end=None, bs: int | None = None) -> None:
+    def record(
+        self, width: int, expected: Tensor | None, start=None, end=None, bs: int | None = None, sampled: bool = False
+    ) -> None:
         """One issued round: its width, ``expected`` ``[bs, W]`` (device; None for an off
-        round, which then gives ``bs``) and its start / end marks (CUDA events recorded on the
-        forward stream, or host seconds; None: untimed)."""
+        round, which then gives ``bs``), its start / end marks (CUDA events recorded on the
+        forward stream, or host seconds; None: untimed) and whether the batch sampled (as given
+        to :meth:`choose`)."""
         slot = None
         if expected is not None:
             slot = self.slot
@@ -702,7 +729,7 @@ class AutoRounds:
         if len(self.pending) >= self.ring.shape[0] - 1:  # results never came back: forget
             self.pending.popleft()
             self.dropped += 1
-        self.pending.append((slot, int(width), int(bs), start, end))
+        self.pending.append((slot, int(width), int(bs), start, end, bool(sampled)))
 
     @staticmethod
     def _seconds(start, end) -> float | None:
@@ -719,7 +746,7 @@ class AutoRounds:
         not counted). Returns whether this round is one to log."""
         if not self.pending:
             return False
-        slot, width, bs, start, end = self.pending.popleft()
+        slot, width, bs, start, end, sampled = self.pending.popleft()
         n = len(num_correct_drafts_per_req)
         if n != bs:
             self.dropped += 1
@@ -729,7 +756,7 @@ class AutoRounds:
         }
         realised = float(sum(int(x) for x in num_correct_drafts_per_req)) + n
         option = self.option(width)
-        self.controller.observe(option, sums, realised, n)
+        self.controller.observe(option, sums, realised, n, sampled=sampled)
         seconds = self._seconds(start, end)
         if seconds is not None and seconds > 0:
             table = self.controller.table

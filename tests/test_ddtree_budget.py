@@ -294,6 +294,38 @@ def test_flat_expectation_picks_the_cheapest_and_off_wins_when_drafts_never_land
     assert 8 in picks[:16] and picks[-1] != db.OFF
 
 
+def test_greedy_and_sampled_batches_keep_their_own_calibration():
+    """Greedy and sampled rounds interleaved: the tree predicts 3 tokens a request; greedy rounds
+    commit them all (ratio 1), sampled rounds only the bonus and a fifth of the drafts (ratio
+    0.2). Each calibration converges to its own traffic's ratio, so a greedy batch runs the tree
+    (3 tokens / 2 ms beats 1 / 1 ms) and a sampled one runs off (1.4 / 2 ms loses). One shared
+    ratio (what the controller kept before) would send both to the same option."""
+    table = db.CostTable([8], [8, db.OFF], [[2e-3, 1e-3]])
+    ctl = db.BudgetController([8, db.OFF], table, explore_every=0)
+    for i in range(300):
+        sampled = i % 2 == 1
+        ctl.observe(8, {8: 24.0}, 8.0 + (0.2 if sampled else 1.0) * 16.0, 8, sampled=sampled)
+    assert ctl.calibration.ratio(8) == pytest.approx(1.0, abs=0.02)
+    assert ctl.sampled_calibration.ratio(8) == pytest.approx(0.2, abs=0.02)
+    assert ctl.calibration.rounds[8] == ctl.sampled_calibration.rounds[8] == 150
+    assert ctl.expected()[8] == pytest.approx(3.0, abs=0.05)
+    assert ctl.expected(sampled=True)[8] == pytest.approx(1.4, abs=0.05)
+    assert ctl.choose(8) == 8 and ctl.choose(8, sampled=True) == db.OFF
+    snap = ctl.snapshot()
+    assert snap["calibration"]["ratio"]["8"] == pytest.approx(1.0, abs=0.02)
+    assert snap["calibration_sampled"]["ratio"]["8"] == pytest.approx(0.2, abs=0.02)
+    assert snap["expected_committed_sampled"]["off"] == 1.0
+    # through AutoRounds: the round's mode, given at record, reaches the calibration it updates
+    r = db.AutoRounds([2, 4], 3, [4], explore_every=0)
+    r.controller.table = db.CostTable([4], [2, 4], [[1e-3, 1e-3]])
+    exp = torch.tensor([[1.5, 2.0]] * 4)
+    for sampled in (True, True, False):
+        w = r.choose(4, sampled=sampled)
+        r.record(w, exp, bs=4, sampled=sampled)
+        r.on_verify_complete_cpu([0] * 4, 4)
+    assert r.controller.sampled_calibration.rounds[w] == 2 and r.controller.calibration.rounds[w] == 1
+
+
 # ------------------------------------------------------------------------------------------
 # Calibration and the cost table
 

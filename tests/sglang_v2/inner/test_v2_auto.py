@@ -1159,13 +1159,19 @@ def test_worker_rounds_with_off_give_the_targets_greedy_tokens_and_keep_the_draf
             # (no CUDA events); an off round 1 ms, a tree round 10 ms + 1 ms per verify row
             record = rounds.record
 
-            def timed(width, expected, start=None, end=None, bs=None, _record=record):
+            def timed(width, expected, start=None, end=None, bs=None, sampled=False, _record=record):
                 secs = 1e-3 if width == db.OFF_WIDTH else 1e-2 + 1e-3 * width
-                return _record(width, expected, 0.0, secs, bs=bs)
+                return _record(width, expected, 0.0, secs, bs=bs, sampled=sampled)
 
             rounds.record = timed
         wr = _WorkerRound(rounds, widths, block, vocab, k, bs, table, seed=5)
+        modes = []  # the batch's mode the worker gives auto (a greedy batch: sampling_info None)
+        choose = rounds.choose
+        rounds.choose = lambda b, sampled=False, _choose=choose: modes.append(sampled) or _choose(b, sampled=sampled)
         seqs, ran, final = wr.run(24, prompt)
+        assert modes == [False] * 24  # ... and the greedy calibration is the one its rounds fed
+        ctl = rounds.controller
+        assert sum(ctl.sampled_calibration.rounds.values()) == 0 < sum(ctl.calibration.rounds.values())
         for s in seqs:  # the target's greedy tokens
             want = s[:prompt]
             while len(want) < len(s):
