@@ -960,6 +960,16 @@ def test_off_is_seeded_from_width_one_and_learns_a_rest_of_its_own():
     assert table.cost(bs, db.OFF) == pytest.approx(verify[(4, 1)] + off_rest)
     # another bucket borrows off's own rest, not the trees'
     assert table.cost(16, db.OFF) == pytest.approx(verify[(16, 1)] + off_rest)
+    # ... the smallest one learnt (optimistic: off runs only where priced best, so a price too
+    # high would never be corrected), while the trees' rest is interpolated
+    t3 = db.CostTable([4, 8, 16], [2, db.OFF])
+    for b in (4, 8, 16):
+        t3.seed(b, db.OFF, 1e-3)
+        t3.seed(b, 2, 2e-3)
+    t3.off_offset[0], t3.off_offset[2] = 3e-3, 1e-3
+    t3.offset[0], t3.offset[2] = 3e-3, 1e-3
+    assert t3.cost(8, db.OFF) == pytest.approx(1e-3 + 1e-3)  # the smallest learnt off rest
+    assert t3.cost(8, 2) == pytest.approx(2e-3 + 3e-3 - 2e-3 * (8 - 4) / (16 - 4))  # the trees': linear in bs
     assert table.cost(16, 4) == pytest.approx(verify[(16, 4)] + tree_rest)
     assert table.cost(bs, 4) == pytest.approx(verify[(4, 4)] + tree_rest)
     assert r.snapshot()["cost_table"]["off_offset_ms"] == [pytest.approx(1e3 * off_rest, abs=1e-4), None]
