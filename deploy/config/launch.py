@@ -20,7 +20,8 @@ before the first push are the pristine copy), uploaded, hashed, swapped atomical
 
 A push of a DDTREE build (its spec_info.py defines DDTREE) sets the variable to `ddtree_args` (when
 the inventory gives none: `default_ddtree_args` of the build's pin: on 0.5.16 no budget flag, so the
-server's default, budget auto at --tp-size 1; 63 on 0.5.13.post1) and keeps every other line of the file; a build without DDTREE leaves the file as it is. The health
+server's default, budget auto at --tp-size 1; 63 on 0.5.13.post1) and keeps every other line of
+the file; a build without DDTREE leaves the file as it is. The health
 gate of a transition expects the algorithm that the env file it puts in place names
 (`--speculative-algorithm X`, or NONE when there is none: SGLang then reports null), so a rollback
 expects the previous flags' algorithm, and the automatic rollback after a failed push expects the
@@ -45,7 +46,7 @@ DEFAULT_VARIABLE = "SGLANG_SPEC_ARGS"
 # server takes its own default (auto at --tp-size 1, block size - 1 above, where auto is not built);
 # b63 on the others.
 DEFAULT_DDTREE_ARGS = "--speculative-algorithm DDTREE --speculative-ddtree-budget 63"
-DEFAULT_DDTREE_AUTO_ARGS = "--speculative-algorithm DDTREE"
+DEFAULT_DDTREE_ARGS_AUTO_PINS = "--speculative-algorithm DDTREE"
 NO_ALGORITHM = "NONE"  # what the health gate expects when the flags name no algorithm
 ABS_PREFIX = "@abs"  # absolute target paths under files/, backup/ and pristine/
 SPEC_INFO = "srt/speculative/spec_info.py"
@@ -146,7 +147,7 @@ def default_ddtree_args(sglang_version: str) -> str:
     the pin serves budget auto, no budget flag (the server's default: auto, which picks the verify
     width per round and plain decode where trees do not pay, at --tp-size 1; block size - 1 at
     --tp-size > 1, which the tool cannot see from here), budget 63 elsewhere."""
-    return DEFAULT_DDTREE_AUTO_ARGS if sglang_version in DDTREE_AUTO_PINS else DEFAULT_DDTREE_ARGS
+    return DEFAULT_DDTREE_ARGS_AUTO_PINS if sglang_version in DDTREE_AUTO_PINS else DEFAULT_DDTREE_ARGS
 
 
 def auto_budget_refusal(args: str | None, sglang_version: str) -> str | None:
