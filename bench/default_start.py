@@ -55,16 +55,13 @@ def config_flags(word: str) -> tuple[str, str]:
             raise ValueError(f"--configs: {word!r}: the running cap after @ must be a positive integer")
         label, flags = config_flags(base)
         return f"{label} (running {int(running)})", f"{flags} --max-running-requests {int(running)}".strip()
-    if word == "plain":
-        return "plain", ""
     if word == "DDTREE":
         return "DDTREE default", f"--speculative-algorithm DDTREE {_DRAFT}"
-    if word == "DFLASH":
-        return "DFLASH", f"--speculative-algorithm DFLASH {_DRAFT}"
+    # plain, DFLASH and a budget's DDTREE: the flags acceptance_run starts them with
     if word == "auto" or (word[:1] == "b" and word[1:].isdigit()):
-        budget = word if word == "auto" else int(word[1:])
-        return AR.ddtree_label(budget), f"--speculative-algorithm DDTREE {_DRAFT} --speculative-ddtree-budget " + (
-            "auto" if budget == "auto" else str(budget))
+        return AR.configs(["auto" if word == "auto" else int(word[1:])])[-1]
+    if word in ("plain", "DFLASH"):
+        return word, dict(AR.configs([]))[word]
     raise ValueError(f"--configs: {word!r} is none of plain, DFLASH, DDTREE, b<budget>, auto")
 
 
